@@ -1,0 +1,80 @@
+"""The host store: where offloaded optimizer state lives between steps.
+
+One flat host buffer per dtype, sized and pinned once at attach. Inside it every offloaded ZeRO-3
+sub-group owns one contiguous region per dtype, holding its fp32 master and its optimizer-state
+tensors back to back (master first, then state keys in sorted order). A sub-group therefore moves
+between host and GPU in one copy per dtype, and a staging slot is laid out like a region.
+
+The store only holds memory and says where each tensor's slice is; which DeepSpeed tensor object
+points at it (``.data`` rebinding) is the streamed step's business.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import logger
+
+from ..config import BLOCK, ConfigError, check_host_memory
+
+MASTER = "__master__"
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Where one tensor of one sub-group sits, relative to the start of its sub-group's region."""
+    key: str  # MASTER or the optimizer-state key
+    dtype: torch.dtype
+    offset: int  # elements from the start of the region of this dtype
+    numel: int
+
+
+class HostStore:
+
+    def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool):
+        """``layout[sub_group] = [(key, dtype, numel), ...]`` for every offloaded sub-group."""
+        self.slices: Dict[int, Dict[str, Slice]] = {}
+        self.regions: Dict[int, Dict[torch.dtype, Tuple[int, int]]] = {}  # sub_group -> dtype -> (start, numel)
+        totals: Dict[torch.dtype, int] = {}
+        for sg in sorted(layout):
+            self.slices[sg], self.regions[sg] = {}, {}
+            entries = sorted(layout[sg], key=lambda e: (e[0] != MASTER, e[0]))
+            for key, dtype, numel in entries:
+                start, length = self.regions[sg].get(dtype, (totals.get(dtype, 0), 0))
+                self.slices[sg][key] = Slice(key, dtype, length, numel)
+                self.regions[sg][dtype] = (start, length + numel)
+                totals[dtype] = start + length + numel
+
+        nbytes = {dt: n * torch.empty(0, dtype=dt).element_size() for dt, n in totals.items()}
+        self.nbytes = sum(nbytes.values())
+        check_host_memory(self.nbytes)  # before anything is pinned
+        acc = get_accelerator()
+        self.buffers: Dict[torch.dtype, torch.Tensor] = {}
+        for dt, n in totals.items():
+            if pin_memory:
+                try:
+                    self.buffers[dt] = acc.pin_empty(n, dtype=dt)
+                except RuntimeError as e:
+                    self.buffers.clear()
+                    raise ConfigError(f"{BLOCK}.pin_memory",
+                                      f"pinning {nbytes[dt] / 2**30:.2f} GiB of host memory failed ({e}); raise the "
+                                      "locked-memory limit (ulimit -l) or set pin_memory to false (slower copies)") \
+                        from e
+            else:
+                self.buffers[dt] = torch.empty(n, dtype=dt)
+        if not pin_memory and acc.device_name() != "cpu":
+            logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
+                           "fraction of the link speed, and the step will be slower")
+        self.nbytes_by_dtype = nbytes
+
+    def region(self, sub_group: int, dtype: torch.dtype) -> torch.Tensor:
+        start, numel = self.regions[sub_group][dtype]
+        return self.buffers[dtype].narrow(0, start, numel)
+
+    def region_numel(self, sub_group: int) -> Dict[torch.dtype, int]:
+        return {dt: n for dt, (_, n) in self.regions[sub_group].items()}
+
+    def view(self, sub_group: int, key: str) -> torch.Tensor:
+        s = self.slices[sub_group][key]
+        return self.region(sub_group, s.dtype).narrow(0, s.offset, s.numel)

@@ -1,0 +1,69 @@
+"""Run a script under the real ``deepspeed`` launcher with 2 ranks and read back what it wrote.
+
+On a machine without GPUs DeepSpeed picks its CPU accelerator and the two ranks talk over gloo;
+with GPUs they use NCCL, one GPU each. ``launch`` writes the spec to a temp dir, runs the launcher
+as a subprocess with a timeout and returns the ``torch.save``d result of rank 0.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PARITY = HERE / "parity_train.py"
+
+
+class LaunchError(AssertionError):
+    pass
+
+
+def two_ranks_unavailable():
+    """Why 2 ranks cannot run here, or None: gloo ranks share the CPU, NCCL ranks need a GPU each."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 1:
+        return "2 NCCL ranks need 2 GPUs (\"Duplicate GPU detected\"), this machine has 1"
+    return None
+
+
+def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int = 300, script: Path = PARITY,
+           env: dict = None):
+    out = tmp_path / f"{name}.pt"
+    spec = dict(spec, out=str(out))
+    spec_file = tmp_path / f"{name}.json"
+    spec_file.write_text(json.dumps(spec))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port", str(port),
+           str(script), str(spec_file)]
+    full_env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                    OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise LaunchError(f"{name}: launcher timed out after {timeout}s\n{(e.stdout or '')[-4000:]}") from None
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.exists():
+        raise LaunchError(f"{name}: launcher exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return torch.load(out, weights_only=False)
+
+
+def assert_bitwise_equal(a: dict, b: dict, what=("losses", "fp32", "state")):
+    """Every loss, fp32 master and optimizer-state tensor identical (torch.equal), and none missing."""
+    if "losses" in what:
+        assert a["losses"] == b["losses"], f"losses differ:\n{a['losses']}\n{b['losses']}"
+    for section in ("fp32", "state"):
+        if section not in what:
+            continue
+        assert a[section].keys() == b[section].keys(), f"{section} keys differ: {a[section].keys() ^ b[section].keys()}"
+        assert a[section], f"no {section} tensors were read"
+        for key in a[section]:
+            x, y = a[section][key], b[section][key]
+            assert torch.equal(x, y), f"{section} {key} differs: max |diff| {(x.float() - y.float()).abs().max()}"

@@ -1,0 +1,139 @@
+"""Training script the e2e tests launch with the real ``deepspeed`` launcher.
+
+Reads a JSON spec (argv[1]) that says which model features, precision and ds_config to use and
+whether to go through ``deepspeed.initialize`` or ``deepspeed_offload.initialize``; writes what it
+observed to ``spec["out"]`` (rank 0, torch.save): per-step losses, and after the last step every
+parameter's full fp32 master and every optimizer-state tensor, read with DeepSpeed's own
+``safe_get_full_*`` helpers. Two runs that must agree are compared with ``torch.equal``.
+"""
+
+import json
+import os
+import sys
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+import deepspeed_offload
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Net(torch.nn.Module):
+    """Layers of different sizes, so sub-groups split unevenly; optional frozen and late layers."""
+
+    def __init__(self, hidden, frozen, late):
+        super().__init__()
+        self.inp = torch.nn.Linear(hidden, 2 * hidden)
+        self.mid = torch.nn.Linear(2 * hidden, hidden)
+        self.out = torch.nn.Linear(hidden, 1)
+        self.frozen = torch.nn.Linear(hidden, hidden) if frozen else None
+        if frozen:
+            self.frozen.requires_grad_(False)
+        self.late = torch.nn.Linear(hidden, hidden) if late else None
+
+    def forward(self, x, use_late):
+        h = torch.nn.functional.gelu(self.inp(x))
+        h = torch.nn.functional.gelu(self.mid(h))
+        if self.frozen is not None:
+            h = h + self.frozen(h)
+        if self.late is not None and use_late:
+            h = h + self.late(h)
+        return self.out(h)
+
+
+def ds_config(spec):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": spec.get("gas", 1),
+        "zero_optimization": {"stage": 3, "sub_group_size": spec.get("sub_group_size", 1_000_000_000)},
+        "steps_per_print": 1000,
+        "wall_clock_breakdown": False,
+    }
+    if spec.get("sub_group_size") is None:
+        del cfg["zero_optimization"]["sub_group_size"]
+    dtype = spec.get("dtype", "bf16")
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+    if spec.get("clip"):
+        cfg["gradient_clipping"] = spec["clip"]
+    if spec.get("offload") is not None:
+        cfg["optimizer_state_offload"] = spec["offload"]
+    cfg.update(spec.get("extra_config", {}))
+    return cfg
+
+
+def optimizer_for(spec, groups):
+    kind = spec.get("optimizer", "torch_adamw")
+    if kind == "torch_adamw":
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01)
+    if kind == "torch_adam":
+        return torch.optim.Adam(groups, lr=1e-2)
+    if kind == "fused_adam":
+        from deepspeed.ops.adam import FusedAdam
+        return FusedAdam(groups, lr=1e-2, weight_decay=0.01, adam_w_mode=True)
+    raise ValueError(kind)
+
+
+def main():
+    spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
+    torch.manual_seed(1234)
+    hidden = spec.get("hidden", 32)
+    model = Net(hidden, spec.get("frozen", False), spec.get("late", False))
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if spec.get("two_groups"):
+        groups = [{"params": [p for n, p in trainable if n.startswith("inp")]},
+                  {"params": [p for n, p in trainable if not n.startswith("inp")], "lr": 3e-3, "weight_decay": 0.0}]
+    else:
+        groups = [{"params": [p for _, p in trainable]}]
+    optimizer = optimizer_for(spec, groups)
+    init = deepspeed_offload.initialize if spec.get("api", "offload") == "offload" else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=ds_config(spec))
+
+    device = get_accelerator().current_device_name()
+    dtype = DTYPES[spec.get("dtype", "bf16")]
+    gen = torch.Generator().manual_seed(100 + engine.global_rank)
+    losses = []
+    gas = spec.get("gas", 1)
+    for step in range(spec.get("steps", 6)):
+        for micro in range(gas):
+            x = torch.randn(4, hidden, generator=gen).to(device, dtype)
+            y = torch.sin(x.float().sum(dim=1, keepdim=True)).to(dtype)
+            loss = torch.nn.functional.mse_loss(engine(x, use_late=step >= 2), y)
+            if step == spec.get("overflow_step", -1) and micro == 0:
+                loss = loss * float("inf")  # every rank overflows: the step must be skipped
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+
+    result = {"losses": losses, "fp32": {}, "state": {}}
+    for name, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p)
+        if master is None:
+            continue
+        result["fp32"][name] = master.cpu()
+        for key in ("exp_avg", "exp_avg_sq"):
+            st = safe_get_full_optimizer_state(p, key)
+            if st is not None:
+                result["state"][f"{name}.{key}"] = st.cpu()
+    handle = deepspeed_offload.get_handle(engine)
+    if handle is not None:
+        result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
+                            "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]])}
+    if engine.global_rank == 0:
+        torch.save(result, spec["out"])
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo can abort in its destructors at interpreter exit after the gathers above; everything is
+    # written, so leave now and let the launcher see the real outcome.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

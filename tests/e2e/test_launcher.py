@@ -1,0 +1,36 @@
+"""Through the real ``deepspeed`` launcher, 2 ranks: the block disabled is plain DeepSpeed, and
+the README's main job runs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import two_ranks_unavailable, ROOT, assert_bitwise_equal, launch
+
+pytestmark = pytest.mark.e2e
+needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
+
+
+@needs_two_ranks
+def test_disabled_block_matches_deepspeed_initialize(tmp_path):
+    spec = dict(dtype="bf16", steps=3, sub_group_size=1)
+    plain = launch(dict(spec, api="deepspeed"), tmp_path, "plain")
+    disabled = launch(dict(spec, offload={"enabled": False, "mode": "stream"}), tmp_path, "disabled")
+    assert len(plain["losses"]) == 3
+    assert_bitwise_equal(plain, disabled)
+    assert "handle" not in disabled
+
+
+@needs_two_ranks
+def test_readme_main_job(tmp_path):
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "examples/train.py",
+           "--deepspeed_config", "examples/ds_config_offload.json", "--steps", "4"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "step 3 loss" in out
+    assert "stream mode: 2 of 2 sub-groups offloaded" in out  # the attach log line
+    assert "'sub_groups': 2" in out  # the last step streamed both sub-groups

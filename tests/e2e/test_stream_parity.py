@@ -1,0 +1,77 @@
+"""Stream mode is bit-for-bit plain ZeRO-3: after several steps every fp32 master and optimizer
+state (read with DeepSpeed's ``safe_get_full_*``) and every loss is ``torch.equal`` to a plain run
+with the same optimizer. 2 gloo ranks on the CPU; on GPUs 1 rank per GPU (see the gpu cases)."""
+
+import pytest
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from harness import two_ranks_unavailable, assert_bitwise_equal, launch
+
+pytestmark = pytest.mark.e2e
+needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
+
+OFFLOAD = {"enabled": True, "mode": "stream", "memory_budget_gb": 0}
+
+CASES = {
+    # one parameter per sub-group, with two param groups, a frozen layer, a late layer and clipping
+    "one_param_per_sub_group": dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True,
+                                    clip=0.5),
+    "few_large_sub_groups_gas2": dict(dtype="bf16", sub_group_size=1500, gas=2),
+    "fp32_adam_clip": dict(dtype="fp32", sub_group_size=1, optimizer="torch_adam", clip=0.05),
+    "fp16_forced_overflow": dict(dtype="fp16", sub_group_size=1000, overflow_step=2),
+    "budget_keeps_some_resident_no_prefetch": dict(dtype="bf16", sub_group_size=1, late=True,
+                                                   offload=dict(OFFLOAD, memory_budget_gb=12e-6, prefetch=False)),
+}
+
+
+def run_pair(tmp_path, name, spec, nprocs=2, steps=6):
+    spec = dict(spec, steps=steps)
+    offload = spec.pop("offload", OFFLOAD)
+    plain = launch(dict(spec, api="deepspeed"), tmp_path, f"{name}-plain", nprocs=nprocs)
+    ours = launch(dict(spec, offload=offload), tmp_path, f"{name}-offload", nprocs=nprocs)
+    assert_bitwise_equal(plain, ours)
+    return plain, ours
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@needs_two_ranks
+def test_parity_two_ranks(tmp_path, name):
+    if CASES[name].get("dtype") == "fp16" and not get_accelerator().is_fp16_supported():
+        pytest.skip(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 (run on a GPU)")
+    plain, ours = run_pair(tmp_path, name, CASES[name])
+    handle = ours["handle"]
+    assert handle["order"], "nothing was offloaded"
+    stats = handle["stats"]
+    assert stats["sub_groups"] == len(handle["order"]) and stats["bytes_h2d"] == stats["bytes_d2h"] > 0
+    if name == "budget_keeps_some_resident_no_prefetch":
+        assert handle["resident"], "the budget should keep the first sub-groups resident"
+    if name == "fp16_forced_overflow":
+        assert plain["losses"][2] == float("inf")
+        assert handle["steps"] == 5  # the overflowed step moved nothing
+    # The moments always move; the master too under mixed precision. (In fp32 DeepSpeed may make the
+    # master the model's own partition, which must stay where the model is.)
+    assert {"exp_avg", "exp_avg_sq"} <= set(handle["keys"])
+    if CASES[name].get("dtype", "bf16") != "fp32":
+        assert "__master__" in handle["keys"]
+
+
+def _gpus():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["fused_adam", "torch_adamw"])
+@pytest.mark.parametrize("name", ["one_param_per_sub_group", "few_large_sub_groups_gas2", "fp16_forced_overflow"])
+def test_parity_gpu_one_rank(tmp_path, name, optimizer):
+    if _gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    run_pair(tmp_path, f"{name}-{optimizer}", dict(CASES[name], optimizer=optimizer, hidden=256), nprocs=1)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_gpu_two_ranks(tmp_path, name):
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {_gpus()}")
+    run_pair(tmp_path, name, dict(CASES[name], optimizer="fused_adam", hidden=256))

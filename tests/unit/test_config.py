@@ -1,0 +1,173 @@
+"""Validation of the block and of its neighbours: every case of DESIGN.md's "Rejected" list is a
+ConfigError naming the key, and ``deepspeed-offload check`` exits 2 with that message."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspeed_offload import ConfigError, OffloadConfig
+from deepspeed_offload import config as cfgmod
+from deepspeed_offload.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOOD = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3},
+    "optimizer_state_offload": {"enabled": True},
+}
+
+
+def with_(base=GOOD, **paths):
+    """Copy of ``base`` with dotted-path keys set (``zero_optimization__stage=2``)."""
+    cfg = copy.deepcopy(base)
+    for dotted, value in paths.items():
+        keys = dotted.split("__")
+        d = cfg
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = value
+    return cfg
+
+
+def check(tmp_path, cfg, *extra):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg) if isinstance(cfg, dict) else cfg)
+    return cli_main(["check", str(path), *extra])
+
+
+COMPILE = with_(optimizer_state_offload__mode="compile", compile__deepcompile=True)
+
+REJECTED = [
+    ("stage 2", with_(zero_optimization__stage=2), "zero_optimization.stage"),
+    ("no zero_optimization", {"optimizer_state_offload": {"enabled": True}}, "zero_optimization.stage"),
+    ("ZeRO-Offload cpu", with_(zero_optimization__offload_optimizer={"device": "cpu"}),
+     "zero_optimization.offload_optimizer.device"),
+    ("ZeRO-Offload nvme", with_(zero_optimization__offload_optimizer={"device": "nvme"}),
+     "zero_optimization.offload_optimizer.device"),
+    ("offload_param with compile", with_(COMPILE, zero_optimization__offload_param={"device": "cpu"}),
+     "zero_optimization.offload_param.device"),
+    ("compile without deepcompile", with_(optimizer_state_offload__mode="compile"), "optimizer_state_offload.mode"),
+    ("compile + offload_opt_states", with_(COMPILE, compile__offload_opt_states=True), "compile.offload_opt_states"),
+    ("compile + offload_parameters", with_(COMPILE, compile__offload_parameters=True), "compile.offload_parameters"),
+    ("compile + offload_activation", with_(COMPILE, compile__offload_activation=True), "compile.offload_activation"),
+    ("unknown key", with_(optimizer_state_offload__sub_group_size=5), "optimizer_state_offload.sub_group_size"),
+    ("wrong type", with_(optimizer_state_offload__pin_memory="yes"), "optimizer_state_offload.pin_memory"),
+    ("wrong type, int as bool", with_(optimizer_state_offload__enabled=1), "optimizer_state_offload.enabled"),
+    ("unknown mode", with_(optimizer_state_offload__mode="fast"), "optimizer_state_offload.mode"),
+    ("negative sub_group_mb", with_(optimizer_state_offload__sub_group_mb=-1), "optimizer_state_offload.sub_group_mb"),
+    ("zero sub_group_mb", with_(optimizer_state_offload__sub_group_mb=0), "optimizer_state_offload.sub_group_mb"),
+    ("negative budget", with_(optimizer_state_offload__memory_budget_gb=-0.5),
+     "optimizer_state_offload.memory_budget_gb"),
+    ("block not an object", with_(optimizer_state_offload=True), "optimizer_state_offload"),
+]
+
+
+@pytest.mark.parametrize("name,cfg,path", REJECTED, ids=[r[0] for r in REJECTED])
+def test_rejected(tmp_path, capsys, name, cfg, path):
+    with pytest.raises(ConfigError) as err:
+        cfgmod.validate(cfg)
+    assert err.value.path == path
+    assert isinstance(err.value, ValueError)
+    assert check(tmp_path, cfg) == 2
+    captured = capsys.readouterr()
+    assert path in captured.err and captured.out == ""
+
+
+def test_compile_needs_cuda_accelerator(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cfgmod, "_compile_supported", lambda: (False, "DeepCompile needs a CUDA accelerator, "
+                                                               "this one is 'cpu'"))
+    assert check(tmp_path, COMPILE) == 2
+    assert "optimizer_state_offload.mode" in capsys.readouterr().err
+
+
+def test_compile_on_cpu_accelerator_is_rejected_for_real():
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cuda":
+        pytest.skip("this machine has CUDA: the CPU-accelerator rejection cannot be observed here")
+    with pytest.raises(ConfigError, match="CUDA"):
+        cfgmod.validate(COMPILE)
+
+
+def test_compile_on_old_torch(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu121")
+    with pytest.raises(ConfigError, match=r"torch >= 2\.6") as err:
+        cfgmod.validate(COMPILE)
+    assert err.value.path == "optimizer_state_offload.mode"
+
+
+def test_host_memory_too_small(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 8 * 2**30)
+    assert check(tmp_path, GOOD, "--params", str(10**9)) == 2  # 12 GB of state on 8 GiB
+    err = capsys.readouterr().err
+    assert "11.18 GiB" in err and "8.00 GiB" in err
+
+
+def test_invalid_json_names_line_and_column(tmp_path, capsys):
+    bad = '{\n  "zero_optimization": {"stage": 3},\n  "optimizer_state_offload": {"enabled": true,,}\n}'
+    with pytest.raises(ConfigError, match="line 3, column"):
+        cfgmod.load_ds_config(_write(tmp_path, bad))
+    assert check(tmp_path, bad) == 2
+    assert "line 3" in capsys.readouterr().err
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("name", ["ds_config_offload.json", "ds_config_plain.json"])
+def test_examples_pass(capsys, name):
+    assert cli_main(["check", str(ROOT / "examples" / name)]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and len(out.strip().splitlines()) == 1
+
+
+def test_accepted_and_resolved():
+    plan = cfgmod.validate(GOOD)
+    assert plan.mode == "stream" and plan.sub_group_size_set_by_us
+    assert plan.ds_config["zero_optimization"]["sub_group_size"] == 256 * 2**20 // 12
+    assert "sub_group_size" not in GOOD["zero_optimization"]  # the user's dict is not modified
+    kept = cfgmod.validate(with_(zero_optimization__sub_group_size=1000))
+    assert kept.sub_group_size == 1000 and not kept.sub_group_size_set_by_us
+    # stream mode does not mind parameter offload
+    assert cfgmod.validate(with_(zero_optimization__offload_param={"device": "cpu"})).mode == "stream"
+
+
+def test_disabled_or_absent_is_none():
+    assert cfgmod.validate({"zero_optimization": {"stage": 1}}) is None
+    assert cfgmod.validate(with_(zero_optimization__stage=0, optimizer_state_offload__enabled=False)) is None
+    with pytest.raises(ConfigError):  # a disabled block is still checked for typos
+        cfgmod.validate(with_(optimizer_state_offload={"enabled": False, "prefech": True}))
+
+
+def test_defaults_follow_design():
+    c = OffloadConfig()
+    assert (c.enabled, c.mode, c.sub_group_mb, c.pin_memory, c.prefetch, c.memory_budget_gb,
+            c.async_checkpoint) == (False, "auto", 256, True, True, None, False)
+
+
+def test_config_routes(tmp_path):
+    import argparse
+    import base64
+    path = _write(tmp_path, json.dumps(GOOD))
+    assert cfgmod.load_ds_config(path) == GOOD
+    assert cfgmod.load_ds_config(base64.urlsafe_b64encode(json.dumps(GOOD).encode()).decode()) == GOOD
+    args = argparse.Namespace(deepspeed_config=path)
+    assert cfgmod.resolve_config_source(args=args) == path
+    with pytest.raises(ConfigError, match="both"):
+        cfgmod.resolve_config_source(args=args, config=GOOD)
+    with pytest.raises(ConfigError, match="neither"):
+        cfgmod.load_ds_config("no-such-file.json")
+
+
+@pytest.mark.parametrize("sub", [[], ["check"]])
+def test_help(capsys, sub):
+    with pytest.raises(SystemExit) as e:
+        cli_main(sub + ["--help"])
+    assert e.value.code == 0
+    assert "usage: deepspeed-offload" in capsys.readouterr().out
