@@ -109,6 +109,7 @@ class StepStats:
         self.bytes_h2d = 0
         self.bytes_d2h = 0
         self.sub_groups = 0
+        self.prefetched = 0
         self._spans: Dict[str, List] = {"h2d_wait": [], "update": [], "d2h": []}
         self._cpu: Dict[str, float] = {"h2d_wait": 0.0, "update": 0.0, "d2h": 0.0}
 
@@ -119,13 +120,16 @@ class StepStats:
         self._cpu[kind] += seconds
 
     def resolve(self) -> Dict[str, float]:
-        out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups}
+        out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups,
+               "prefetched": self.prefetched}
         for kind, spans in self._spans.items():
-            secs = self._cpu[kind]
+            each = []
             for start, end in spans:
                 end.synchronize()
-                secs += start.elapsed_time(end) / 1000.0
-            out[f"{kind}_s"] = secs
+                each.append(start.elapsed_time(end) / 1000.0)
+            out[f"{kind}_s"] = self._cpu[kind] + sum(each)
+            if kind == "h2d_wait":
+                out["h2d_wait_prefetched_s"] = sum(each[:self.prefetched])
         return out
 
 
@@ -344,13 +348,16 @@ class StreamMode:
             self.stats.add_cpu("h2d_wait", time.perf_counter() - t0)
 
     def prefetch(self):
-        """Start loading the first offloaded sub-group (called at the start of the last backward)."""
+        """Start loading the first offloaded sub-groups, one per slot (called as the last backward
+        starts, so the copies overlap it)."""
         if not self.order or self._in_step:
             return
         acc = self.streams.acc
-        if self.streams.async_ok and acc.max_memory_allocated() + self.slot_bytes > 0.9 * acc.total_memory():
-            return  # the last iteration's peak plus a slot would not fit: load at the step instead
-        self._load(self.order[0])
+        if self.streams.async_ok and acc.max_memory_allocated() + 2 * self.slot_bytes > 0.9 * acc.total_memory():
+            return  # the peak seen so far plus both slots would not fit: load at the step instead
+        for i in self.order[:2]:
+            self._load(i)
+        self.stats.prefetched = len(self.order[:2])
 
     def _begin_step(self):
         self._in_step = True

@@ -31,6 +31,7 @@ def run_pair(tmp_path, name, spec, nprocs=2, steps=6):
     plain = launch(dict(spec, api="deepspeed"), tmp_path, f"{name}-plain", nprocs=nprocs)
     ours = launch(dict(spec, offload=offload), tmp_path, f"{name}-offload", nprocs=nprocs)
     assert_bitwise_equal(plain, ours)
+    assert ours["handle"]["order"], "nothing was offloaded"
     return plain, ours
 
 
@@ -60,9 +61,13 @@ def _gpus():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+GPU_ONE_RANK = [("one_param_per_sub_group", "fused_adam"), ("few_large_sub_groups_gas2", "fused_adam"),
+                ("fp16_forced_overflow", "fused_adam"), ("fp32_adam_clip", "fused_adam"),
+                ("one_param_per_sub_group", "torch_adamw")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["fused_adam", "torch_adamw"])
-@pytest.mark.parametrize("name", ["one_param_per_sub_group", "few_large_sub_groups_gas2", "fp16_forced_overflow"])
+@pytest.mark.parametrize("name,optimizer", GPU_ONE_RANK)
 def test_parity_gpu_one_rank(tmp_path, name, optimizer):
     if _gpus() < 1:
         pytest.skip("needs a CUDA GPU")
