@@ -5,6 +5,7 @@ and says in one line what would happen; exit 2 with the ConfigError on stderr ot
 """
 
 import argparse
+import json
 import sys
 
 from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, check_host_memory, format_bytes, load_ds_config,
@@ -35,6 +36,59 @@ def cmd_check(ns) -> int:
     return 0
 
 
+def cmd_estimate(ns) -> int:
+    """What offload would free and cost, from the parameter count and the link's bandwidth."""
+    try:
+        sub_group_mb, budget_gb = 256, 0.0
+        if ns.config:
+            plan = validate(load_ds_config(ns.config))
+            if plan is not None:
+                sub_group_mb, budget_gb = plan.offload.sub_group_mb, plan.offload.memory_budget_gb
+        bandwidth, measured = ns.bandwidth, False
+        if bandwidth is None:
+            from .bench import measure_bandwidth
+            bandwidth, measured = measure_bandwidth(), True
+        if bandwidth is None:
+            raise ConfigError("--bandwidth", "no CUDA device here to measure the host-device bandwidth: pass "
+                              "--bandwidth GBps (each way, both directions at once)")
+    except ConfigError as e:
+        print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
+        return 2
+    per_rank = -(-ns.params // ns.world_size) * STATE_BYTES_PER_PARAM
+    resident = 0 if budget_gb is None else min(per_rank, int(budget_gb * 2**30))
+    offloaded = per_rank - resident
+    slot = min(offloaded, sub_group_mb * 2**20)
+    ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
+    host = offloaded * ranks_per_node
+    # Loads and write-backs overlap, both directions at once; the first load and the last
+    # write-back of the step have nothing to overlap with.
+    step = offloaded / (bandwidth * 1e9) + slot / (bandwidth * 1e9)
+    est = {"state_per_rank": per_rank, "gpu_freed_per_rank": offloaded, "staging_during_step": 2 * slot,
+           "host_pinned_per_node": host, "bandwidth_GBps": bandwidth, "bandwidth_measured": measured,
+           "step_copy_s": step}
+    if ns.json:
+        print(json.dumps(est))
+    else:
+        src = "measured" if measured else "given"
+        budget = "derived from the device at attach (taken as 0 here)" if budget_gb is None else f"{budget_gb:g} GiB"
+        print(f"optimizer state per rank: {format_bytes(per_rank)} (12 bytes x {-(-ns.params // ns.world_size):,} "
+              f"parameters); kept resident: {format_bytes(resident)} (budget {budget})")
+        print(f"GPU memory freed per rank between steps: {format_bytes(offloaded)}; during the step the GPU "
+              f"holds two staging slots, {format_bytes(2 * slot)}")
+        print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(host)}")
+        print(f"step copy time: {step:.3f} s at {bandwidth:.1f} GB/s each way ({src})")
+    try:
+        check_host_memory(host, what=f"{ranks_per_node} ranks' host stores")
+    except ConfigError as e:
+        print(f"warning: {e.reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(ns) -> int:
+    from . import bench
+    return bench.run(ns, ns.raw_argv) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepspeed-offload",
                                      description="Optimizer-state offload for DeepSpeed ZeRO-3.")
@@ -49,11 +103,34 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=int, default=1, help="data-parallel ranks sharing the state")
     check.add_argument("--ranks-per-node", type=int, default=1, help="ranks whose host stores share this host")
     check.set_defaults(func=cmd_check)
+
+    est = sub.add_parser("estimate",
+                         help="GPU memory freed, host memory needed and step cost",
+                         description="Estimate, before launching, the GPU memory offload frees per rank, the "
+                         "pinned host memory per node and the step's copy time, from the parameter count and the "
+                         "host-device bandwidth (measured here when there is a CUDA device, or given).")
+    est.add_argument("--params", type=int, required=True, help="model parameters")
+    est.add_argument("--world-size", type=int, default=1, help="data-parallel ranks sharing the state")
+    est.add_argument("--ranks-per-node", type=int, default=None, help="default: min(world size, 8)")
+    est.add_argument("--config", help="ds_config with the optimizer_state_offload block (budget, sub_group_mb)")
+    est.add_argument("--bandwidth", type=float, default=None, help="GB/s each way with both directions busy")
+    est.add_argument("--json", action="store_true", help="print the figures as JSON")
+    est.set_defaults(func=cmd_estimate)
+
+    from .bench import build_parser as bench_parser
+    bench = sub.add_parser("bench", help="side-by-side benchmark against upstream DeepSpeed (needs a GPU)",
+                           description="Run resident ZeRO-3, stream mode (with and without prefetch), "
+                           "offload_states, ZeRO-Offload, an async checkpoint and a copy-bandwidth probe, each in its "
+                           "own process, on DESIGN.md's 1.07B model by default; write JSON and a PNG chart.")
+    bench_parser(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
+    ns.raw_argv = argv[1:]
     return ns.func(ns)
 
 

@@ -3,7 +3,7 @@
 # Installs the wheels carried in .whl/ (made here by `bash ../shared/tools/device-wheels.sh`), then
 # runs what is asked, writing logs and results under $OUT:
 #   bash scripts/gpu.sh tests        GPU-marked tests (1 rank per GPU; 2-GPU cases skip on one GPU)
-#   bash scripts/gpu.sh bench [ARGS] benchmarks/bench_step.py on DESIGN.md's 1.07B model
+#   bash scripts/gpu.sh bench [ARGS] deepspeed-offload bench on DESIGN.md's 1.07B model
 #   bash scripts/gpu.sh all          both
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +19,11 @@ what=${1:-all}
 shift || true
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    python3 -m pytest tests -q -rs -m "gpu or gpu2 or not e2e" -p no:cacheprovider --basetemp=/tmp/pytest \
+    python3 -m pytest tests -q -rs -m "not e2e or gpu or gpu2 or anyaccel" -p no:cacheprovider --basetemp=/tmp/pytest \
         2>&1 | tee "$OUT/tests.log" | tail -40
     rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    python3 benchmarks/bench_step.py --out "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
+    python3 -m deepspeed_offload.bench --out "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
 fi
 exit $rc

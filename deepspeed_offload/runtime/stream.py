@@ -33,6 +33,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import print_dist
 
 from ..config import OffloadConfig, format_bytes
+from .checkpoint import AsyncCheckpointer
 from .host_store import MASTER, HostStore
 
 # On a GPU, the resident budget left unspecified keeps this share of the card for everything else.
@@ -197,6 +198,7 @@ class StreamMode:
         self.last_stats: Optional[StepStats] = None
 
         self._hook()
+        self.checkpointer = AsyncCheckpointer(engine, self.store.buffers.values()) if cfg.async_checkpoint else None
         pinned = ", ".join(f"{dt}: {format_bytes(b)}" for dt, b in self.store.nbytes_by_dtype.items())
         print_dist(f"[deepspeed-offload] stream mode: {len(self.order)} of {n} sub-groups offloaded "
                    f"({len(self.resident)} resident within the budget), "
@@ -241,12 +243,14 @@ class StreamMode:
         self._orig = {name: getattr(opt, name) for name in ("_prepare_sub_group", "_release_sub_group")}
         opt._prepare_sub_group = self._prepare_sub_group
         opt._release_sub_group = self._release_sub_group
-        for name in ("state_dict", "_get_fp32_opt_state_partition", "refresh_fp32_params"):
+        for name in ("state_dict", "_get_fp32_opt_state_partition"):
             setattr(opt, name, self._drained(getattr(opt, name)))
+        opt.refresh_fp32_params = self._drained(self._guarded(opt.refresh_fp32_params))
         orig_load = opt.load_state_dict
 
         def load_state_dict(*args, **kwargs):
             self.drain()
+            self._guard()
             self._loaded.clear()  # a prefetched slot holds the old state
             result = orig_load(*args, **kwargs)
             for i in self.order:
@@ -270,6 +274,19 @@ class StreamMode:
 
         def wrapper(*args, **kwargs):
             self.drain()
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def _guard(self):
+        """Before host state is overwritten: let an in-flight checkpoint write finish reading it."""
+        if self.checkpointer is not None:
+            self.checkpointer.guard()
+
+    def _guarded(self, fn):
+
+        def wrapper(*args, **kwargs):
+            self._guard()
             return fn(*args, **kwargs)
 
         return wrapper
@@ -394,6 +411,8 @@ class StreamMode:
                                        f"{view.dtype}; this optimizer's state is not per-parameter tensors")
                 view.copy_(t.data)
         slot_index = self._position[i] % 2
+        if self.stats.sub_groups == 0:
+            self._guard()  # the first write to the host store in this step
         if st.async_ok:
             self.stats.span("update", self._update_start, st.event(st.compute(), timing=True))
             updated = st.event(st.compute())
@@ -427,6 +446,12 @@ class StreamMode:
         self._last_step_written = self._host_written
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
+
+    def host_resident(self) -> bool:
+        """True when every offloaded tensor that exists points at its slice of the host store."""
+        return all(
+            self._tensor(i, key) is None or self._tensor(i, key).data_ptr() == self.store.view(i, key).data_ptr()
+            for i in self.order for key in self.store.slices[i])
 
     def drain(self):
         """Block until every write-back to the host store has landed."""

@@ -32,7 +32,9 @@ def two_ranks_unavailable():
 
 
 def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int = 300, script: Path = PARITY,
-           env: dict = None):
+           env: dict = None, expect_failure: bool = False):
+    """Run ``script`` with ``spec`` under the launcher; its rank-0 result, or (``expect_failure``)
+    the launcher's output of a run that must not succeed."""
     out = tmp_path / f"{name}.pt"
     spec = dict(spec, out=str(out))
     spec_file = tmp_path / f"{name}.json"
@@ -50,6 +52,10 @@ def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int 
     except subprocess.TimeoutExpired as e:
         raise LaunchError(f"{name}: launcher timed out after {timeout}s\n{(e.stdout or '')[-4000:]}") from None
     (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if expect_failure:
+        if proc.returncode == 0:
+            raise LaunchError(f"{name}: was expected to fail but exited 0")
+        return proc.stdout + proc.stderr
     if proc.returncode != 0 or not out.exists():
         raise LaunchError(f"{name}: launcher exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return torch.load(out, weights_only=False)

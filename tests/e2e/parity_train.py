@@ -7,9 +7,12 @@ parameter's full fp32 master and every optimizer-state tensor, read with DeepSpe
 ``safe_get_full_*`` helpers. Two runs that must agree are compared with ``torch.equal``.
 """
 
+import glob
 import json
 import os
+import signal
 import sys
+import time
 
 import deepspeed
 import torch
@@ -79,6 +82,25 @@ def optimizer_for(spec, groups):
     raise ValueError(kind)
 
 
+def checkpoint(engine, save):
+    if save.get("sync_dir"):
+        # DeepSpeed's own synchronous save of the very same state, for the test to compare against
+        deepspeed_offload.get_handle(engine).checkpointer._orig_save(save["sync_dir"], tag=save["tag"])
+    t0 = time.perf_counter()
+    engine.save_checkpoint(save["dir"], tag=save["tag"])
+    print(f"save {save['tag']} returned after {time.perf_counter() - t0:.3f} s", flush=True)
+    if save.get("wait"):
+        deepspeed_offload.wait_for_checkpoint(engine)
+    if save.get("kill"):
+        # Kill this rank while its writer is between writing a file and renaming it.
+        pattern = os.path.join(save["dir"], save["tag"], "*.tmp")
+        deadline = time.monotonic() + 60
+        while not glob.glob(pattern) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(f"killing rank {engine.global_rank} during the write of {glob.glob(pattern)}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
     torch.manual_seed(1234)
@@ -99,18 +121,32 @@ def main():
     gen = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
     gas = spec.get("gas", 1)
+    start = 0
+    loaded_into_store = None
+    if spec.get("resume"):
+        engine.load_checkpoint(spec["resume"]["dir"], tag=spec["resume"].get("tag"))
+        start = engine.global_steps
+        handle = deepspeed_offload.get_handle(engine)
+        loaded_into_store = handle.host_resident() if handle is not None else None
     for step in range(spec.get("steps", 6)):
         for micro in range(gas):
             x = torch.randn(4, hidden, generator=gen).to(device, dtype)
             y = torch.sin(x.float().sum(dim=1, keepdim=True)).to(dtype)
+            if step < start:
+                continue  # resumed: the data of the steps already taken is drawn and dropped
             loss = torch.nn.functional.mse_loss(engine(x, use_late=step >= 2), y)
             if step == spec.get("overflow_step", -1) and micro == 0:
                 loss = loss * float("inf")  # every rank overflows: the step must be skipped
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        for save in spec.get("saves", []):
+            if save["at"] == step + 1 and step >= start:
+                checkpoint(engine, save)
 
-    result = {"losses": losses, "fp32": {}, "state": {}}
+    deepspeed_offload.wait_for_checkpoint(engine)
+    result = {"losses": losses, "fp32": {}, "state": {}, "start": start,
+              "loaded_into_store": loaded_into_store}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p)
         if master is None:

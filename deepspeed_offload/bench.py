@@ -1,0 +1,327 @@
+"""``deepspeed-offload bench``: our stream mode side by side with the upstream DeepSpeed ways of
+handling optimizer state, on one GPU, each mode in its own process, medians over the measured
+iterations, JSON plus a PNG chart.
+
+    deepspeed-offload bench --out bench.json --plot bench.png [--modes resident,stream,...] [--layers 64 --hidden 4096]
+
+Modes:
+  resident        plain ZeRO-3, FusedAdam, states on the GPU
+  stream          deepspeed-offload stream mode, everything offloaded (memory_budget_gb 0), no prefetch
+  stream_prefetch the same with prefetch during the last backward
+  offload_states  plain ZeRO-3 with engine.reload_states() before and offload_states(optim_states,
+                  hp_params) after each step: the same state our modes offload
+  zero_offload    ZeRO-Offload: offload_optimizer.device=cpu, DeepSpeedCPUAdam
+  bandwidth       pinned host<->device copy bandwidth, each direction and both at once
+  checkpoint      stream mode with async_checkpoint: DeepSpeed's synchronous save of the same engine,
+                  then our async save (time until save_checkpoint returns, iterations run during the
+                  write, time until the write is done)
+
+Per iteration (synchronized): iteration time, step time, peak GPU memory during the step (peak
+stats reset right before engine.step()), GPU memory allocated between steps.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ["bandwidth", "resident", "stream", "stream_prefetch", "offload_states", "zero_offload", "checkpoint"]
+GiB = 2**30
+
+
+def ds_config(mode, args):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+    }
+    if mode.startswith("stream") or mode == "checkpoint":
+        cfg["optimizer_state_offload"] = {"enabled": True, "mode": "stream", "memory_budget_gb": 0,
+                                          "sub_group_mb": args.sub_group_mb, "prefetch": mode == "stream_prefetch",
+                                          "async_checkpoint": mode == "checkpoint"}
+    if mode == "zero_offload":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
+def measure_bandwidth(gib=1):
+    """GB/s each way with both directions busy, or None without a CUDA device."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return bandwidth(argparse.Namespace(bw_gib=gib))["both_each_way_GBps"]
+
+
+def bandwidth(args):
+    import torch
+    n = args.bw_gib * GiB // 4
+    host_a = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    host_b = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    pageable = torch.empty(n, dtype=torch.float32)
+    dev_a = torch.empty(n, dtype=torch.float32, device="cuda")
+    dev_b = torch.empty(n, dtype=torch.float32, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn, reps=5):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    nbytes = n * 4
+
+    def both():
+        with torch.cuda.stream(s1):
+            dev_a.copy_(host_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host_b.copy_(dev_b, non_blocking=True)
+
+    return {
+        "h2d_GBps": nbytes / timed(lambda: dev_a.copy_(host_a, non_blocking=True)) / 1e9,
+        "d2h_GBps": nbytes / timed(lambda: host_b.copy_(dev_b, non_blocking=True)) / 1e9,
+        "both_each_way_GBps": nbytes / timed(both) / 1e9,
+        "pageable_h2d_GBps": nbytes / timed(lambda: dev_a.copy_(pageable)) / 1e9,
+    }
+
+
+def worker(mode, args):
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + MODES.index(mode)))
+    import torch
+    if mode == "bandwidth":
+        return bandwidth(args)
+    import deepspeed
+
+    import deepspeed_offload
+
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    # What stream mode offloads: optimizer states and fp32 masters (the grad buffer must stay for backward).
+    OFFLOADED = [OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params]
+    cfg = ds_config(mode, args)
+    deepspeed.init_distributed()
+    with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
+        layers = []
+        for _ in range(args.layers):
+            layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers)
+    nparams = sum(p.ds_numel for p in model.parameters())
+    engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for it in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        t_bwd = time.perf_counter()
+        torch.cuda.reset_peak_memory_stats()
+        if mode == "offload_states":
+            engine.reload_states()
+        engine.step()
+        if mode == "offload_states":
+            engine.offload_states(include=OFFLOADED)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        rows.append({"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0,
+                     "peak_step_GiB": torch.cuda.max_memory_allocated() / GiB,
+                     "between_GiB": torch.cuda.memory_allocated() / GiB})
+    rows = rows[args.warmup:]
+    # Pipelined: no synchronize between iterations, so copies may overlap the next forward.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        if mode == "offload_states":
+            engine.reload_states()
+        engine.step()
+        if mode == "offload_states":
+            engine.offload_states(include=OFFLOADED)
+    torch.cuda.synchronize()
+    pipelined = (time.perf_counter() - t0) / args.iters
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out.update(pipelined_iter_s=pipelined, params=nparams, iters=args.iters,
+               state_GiB=nparams * 12 / GiB, loss=float(loss))
+    handle = deepspeed_offload.get_handle(engine)
+    if mode == "checkpoint":
+        out.update(checkpoint_times(engine, handle, x, args))
+    if handle is not None:
+        stats = handle.step_stats()
+        grad_bytes = max(int(sum(p.numel() for p in g)) for g in engine.optimizer.fp16_partitioned_groups) * 4
+        out.update(sub_groups=len(handle.order), slot_GiB=handle.slot_bytes / GiB,
+                   peak_bound_GiB=out["between_GiB"] + (2 * handle.slot_bytes + grad_bytes) / GiB,
+                   last_step=stats)
+    return out
+
+
+def checkpoint_times(engine, handle, x, args):
+    """DeepSpeed's synchronous save against ours, on the same engine and state."""
+    import shutil
+
+    import torch
+
+    import deepspeed_offload
+    root = args.ckpt_dir
+    shutil.rmtree(root, ignore_errors=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    handle.checkpointer._orig_save(os.path.join(root, "sync"), tag="t")
+    sync_s = time.perf_counter() - t
+    shutil.rmtree(os.path.join(root, "sync"))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.save_checkpoint(os.path.join(root, "async"), tag="t")
+    blocking_s = time.perf_counter() - t
+    iters = []
+    for _ in range(3):  # training goes on while the write runs; the guard holds each step's write-back
+        t = time.perf_counter()
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        torch.cuda.synchronize()
+        iters.append(time.perf_counter() - t)
+    deepspeed_offload.wait_for_checkpoint(engine)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    shutil.rmtree(root, ignore_errors=True)
+    return {"sync_save_s": sync_s, "async_blocking_s": blocking_s,
+            "async_background_s": handle.checkpointer.last["background_s"], "iters_during_write_s": iters,
+            "async_blocking_over_sync": blocking_s / sync_s, "checkpoint_GiB": size / GiB}
+
+
+def table(results, floor_s):
+    res = results.get("resident", {})
+    lines = ["| mode | iteration s | step s | pipelined iteration s | peak in step GiB | between steps GiB | "
+             "over resident s |", "|---|---|---|---|---|---|---|"]
+    for mode in MODES[1:]:
+        r = results.get(mode)
+        if not r or "error" in r:
+            if r:
+                lines.append(f"| {mode} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        over = f"{r['iter_s'] - res['iter_s']:+.3f}" if "iter_s" in res else ""
+        lines.append(f"| {mode} | {r['iter_s']:.3f} | {r['step_s']:.3f} | {r['pipelined_iter_s']:.3f} | "
+                     f"{r['peak_step_GiB']:.2f} | {r['between_GiB']:.2f} | {over} |")
+    return "\n".join(lines)
+
+
+def build_parser(ap=None):
+    ap = ap or argparse.ArgumentParser(prog="deepspeed-offload bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--sub-group-mb", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--bw-gib", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--ckpt-dir", default="/tmp/ds_offload_bench_ckpt")
+    ap.add_argument("--out", default="bench.json")
+    ap.add_argument("--plot", default=None, help="PNG path for the chart")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run(build_parser().parse_args(argv), argv)
+
+
+def run(args, argv):
+
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        return
+
+    from tqdm import tqdm
+    results = {}
+    modes = args.modes.split(",")
+    for mode in tqdm(modes, desc="modes"):
+        cmd = [sys.executable, "-m", "deepspeed_offload.bench", "--worker", mode] + argv
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            results[mode] = json.loads(line[-1][7:]) if line else {"error": (proc.stdout + proc.stderr)[-3000:]}
+        except subprocess.TimeoutExpired:
+            results[mode] = {"error": f"timed out after {args.timeout}s"}
+        tqdm.write(f"{mode}: {json.dumps(results[mode])[:600]}")
+
+    bw = results.get("bandwidth", {})
+    state_bytes = next((r["params"] * 12 for r in results.values() if "params" in r), None)
+    floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
+    summary = {"floor_s": floor_s, "results": results,
+               "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+    try:
+        import torch
+        summary["device"] = torch.cuda.get_device_name(0)
+        summary["torch"] = torch.__version__
+    except Exception:
+        pass
+    for mode in ("stream", "stream_prefetch"):
+        r, res = results.get(mode, {}), results.get("resident", {})
+        if "iter_s" in r and "iter_s" in res and floor_s:
+            r["overhead_s"] = r["iter_s"] - res["iter_s"]
+            r["overhead_over_floor"] = r["overhead_s"] / floor_s
+            r["step_over_floor"] = r["step_s"] / floor_s
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(table(results, floor_s))
+    if floor_s:
+        print(f"copy floor (state bytes / bidirectional bandwidth): {floor_s:.3f} s")
+    for mode in ("stream", "stream_prefetch"):
+        r = results.get(mode, {})
+        if "overhead_s" in r:
+            print(f"{mode}: over resident {r['overhead_s']:.3f} s = {r['overhead_over_floor']:.2f}x floor; "
+                  f"step {r['step_s']:.3f} s = {r['step_over_floor']:.2f}x floor; peak {r['peak_step_GiB']:.2f} "
+                  f"GiB (bound {r['peak_bound_GiB']:.2f}); last step {r.get('last_step')}")
+    ck = results.get("checkpoint", {})
+    if "sync_save_s" in ck:
+        print(f"checkpoint ({ck['checkpoint_GiB']:.1f} GiB): DeepSpeed synchronous save {ck['sync_save_s']:.2f} s; "
+              f"async save blocked {ck['async_blocking_s']:.3f} s ({ck['async_blocking_over_sync']:.1%} of it), "
+              f"wrote in the background in {ck['async_background_s']:.2f} s; iterations during the write "
+              f"{', '.join(f'{t:.3f}' for t in ck['iters_during_write_s'])} s")
+    if args.plot:
+        plot(summary, args.plot)
+
+
+def plot(summary, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = {m: r for m, r in summary["results"].items() if "iter_s" in r}
+    names = list(res)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a1.bar(names, [res[m]["iter_s"] for m in names], color="tab:blue")
+    if summary.get("floor_s") and "resident" in res:
+        a1.axhline(res["resident"]["iter_s"] + summary["floor_s"], color="tab:red", ls="--",
+                   label="resident + copy floor")
+        a1.legend()
+    a1.set_ylabel("iteration time, s (median)")
+    a1.tick_params(axis="x", rotation=30)
+    xs = range(len(names))
+    a2.bar([x - 0.2 for x in xs], [res[m]["peak_step_GiB"] for m in names], width=0.4, label="peak in step")
+    a2.bar([x + 0.2 for x in xs], [res[m]["between_GiB"] for m in names], width=0.4, label="between steps")
+    a2.set_xticks(list(xs))
+    a2.set_xticklabels(names, rotation=30)
+    a2.set_ylabel("GPU memory allocated, GiB")
+    a2.legend()
+    fig.suptitle(f"{summary.get('device', '')}, {summary['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
