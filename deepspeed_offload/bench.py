@@ -241,6 +241,10 @@ def main(argv=None):
 
 
 def run(args, argv):
+    import torch
+    if not args.worker and not torch.cuda.is_available():
+        print("deepspeed-offload bench: needs a CUDA device (it compares GPU steps and GPU memory)", file=sys.stderr)
+        return 2
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)

@@ -1,0 +1,39 @@
+"""Every ``bash`` block in the README and docs/ runs as written, from the repository root.
+
+``sh`` blocks (installing, the test command itself, GPU-only commands) are documentation only."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, two_ranks_unavailable
+
+pytestmark = pytest.mark.e2e
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def commands():
+    for doc in DOCS:
+        for block in BLOCK.findall(doc.read_text()):
+            for line in block.splitlines():
+                line = line.split(" #")[0].strip()
+                if line and not line.startswith("#"):
+                    yield pytest.param(line, id=f"{doc.name}: {line[:60]}")
+
+
+def test_the_docs_have_commands():
+    assert len(list(commands())) >= 6
+
+
+@pytest.mark.parametrize("command", list(commands()))
+def test_doc_command_runs(command, tmp_path):
+    if command.startswith("deepspeed ") and two_ranks_unavailable():
+        pytest.skip(two_ranks_unavailable())
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{command}\n{(proc.stdout + proc.stderr)[-4000:]}"

@@ -1,0 +1,63 @@
+"""``deepspeed-offload estimate`` against the committed H200 benchmark, and the CLI's edges."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepspeed_offload import config as cfgmod
+from deepspeed_offload.cli import main as cli_main
+
+BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench-h200-2026-11-29.json"
+
+
+def estimate(capsys, *args):
+    assert cli_main(["estimate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_within_15_percent_of_the_benchmark(capsys):
+    run = json.loads(BENCH.read_text())
+    res, stream = run["results"]["resident"], run["results"]["stream"]
+    est = estimate(capsys, "--params", str(stream["params"]), "--bandwidth",
+                   str(run["results"]["bandwidth"]["both_each_way_GBps"]))
+    freed = (res["between_GiB"] - stream["between_GiB"]) * 2**30
+    assert abs(est["gpu_freed_per_rank"] - freed) <= 0.15 * freed
+    assert abs(est["step_copy_s"] - stream["step_s"]) <= 0.15 * stream["step_s"]
+
+
+def test_estimate_uses_the_config_budget_and_splits_ranks(capsys, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3},
+                               "optimizer_state_offload": {"enabled": True, "memory_budget_gb": 1}}))
+    est = estimate(capsys, "--params", "1000000000", "--world-size", "4", "--config", str(cfg), "--bandwidth", "50")
+    assert est["state_per_rank"] == 250_000_000 * 12
+    assert est["gpu_freed_per_rank"] == 250_000_000 * 12 - 2**30
+    assert est["host_pinned_per_node"] == 4 * est["gpu_freed_per_rank"]
+
+
+def test_estimate_warns_when_host_memory_is_short(capsys, monkeypatch):
+    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 2**30)
+    assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50"]) == 0
+    assert "warning:" in capsys.readouterr().err
+
+
+def test_estimate_needs_a_bandwidth_without_gpu(capsys, monkeypatch):
+    import deepspeed_offload.bench as bench
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda gib=1: None)
+    assert cli_main(["estimate", "--params", "1000"]) == 2
+    assert "--bandwidth" in capsys.readouterr().err
+
+
+def test_estimate_rejects_a_bad_config(capsys, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer_state_offload": {"enabled": True}}))
+    assert cli_main(["estimate", "--params", "1000", "--config", str(cfg), "--bandwidth", "50"]) == 2
+    assert "zero_optimization.stage" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub", ["estimate", "bench"])
+def test_subcommand_help(capsys, sub):
+    with pytest.raises(SystemExit) as e:
+        cli_main([sub, "--help"])
+    assert e.value.code == 0 and f"deepspeed-offload {sub}" in capsys.readouterr().out
