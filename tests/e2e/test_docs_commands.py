@@ -5,7 +5,6 @@
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
