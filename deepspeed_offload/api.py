@@ -6,13 +6,15 @@ process group and no pinned memory. Then DeepSpeed builds the engine as usual an
 """
 
 import copy
+import os
 
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.utils import logger
 from deepspeed.utils.logging import print_dist
 
-from .config import BLOCK, ConfigError, Plan, load_ds_config, resolve_config_source, validate
+from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, Plan, check_host_memory, load_ds_config, local_ranks,
+                     resolve_config_source, validate)
 
 HANDLE_ATTR = "_deepspeed_offload"
 
@@ -48,6 +50,7 @@ def initialize(args=None,
     plan = validate(load_ds_config(source))
     if plan is None:
         return deepspeed.initialize(config=config, config_params=config_params, **passthrough)
+    _check_host_memory_before_deepspeed(plan, model)
 
     if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
         # DeepSpeed refuses a config both in args and config=; ours (with sub_group_size) wins.
@@ -62,6 +65,21 @@ def initialize(args=None,
                    f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
     _attach_mode(result[0], plan)
     return result
+
+
+def _check_host_memory_before_deepspeed(plan: Plan, model):
+    """The host stores of this node's ranks must fit: say so before DeepSpeed builds anything.
+    (The store checks again, exactly, before it pins.)"""
+    if model is None:
+        return
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    per_rank = -(-params // world) * STATE_BYTES_PER_PARAM
+    budget = plan.offload.memory_budget_gb
+    if budget:
+        per_rank = max(0, per_rank - int(budget * 2**30))
+    ranks = local_ranks()
+    check_host_memory(per_rank * ranks, what=f"the pinned host stores of {ranks} rank(s) on this node")
 
 
 def attach(engine, config=None):
@@ -90,6 +108,9 @@ def _check_engine(engine, plan: Plan):
     if not hasattr(opt, "fp32_partitioned_groups_flat"):
         raise ConfigError("zero_optimization.stage", f"the engine's optimizer ({type(opt).__name__}) is not "
                           "DeepSpeed's ZeRO-3 optimizer: build the engine with an optimizer")
+    if getattr(opt, "use_muon", False):
+        raise ConfigError("optimizer.type", "ZeRO-3's Muon path reads and writes the fp32 state outside the "
+                          "sub-group loop that offload streams: use an Adam-family optimizer")
     if getattr(opt, "offload_optimizer", False) or getattr(opt, "swap_optimizer", False):
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           "the engine already uses ZeRO-Offload for the optimizer state; rebuild it without")

@@ -120,6 +120,14 @@ def worker(mode, args):
     nparams = sum(p.ds_numel for p in model.parameters())
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        if mode == "offload_states":
+            engine.reload_states()
+        engine.step()
+        if mode == "offload_states":
+            engine.offload_states(include=OFFLOADED)
+
     rows = []
     for it in range(args.warmup + args.iters):
         torch.cuda.synchronize()
@@ -129,11 +137,7 @@ def worker(mode, args):
         torch.cuda.synchronize()
         t_bwd = time.perf_counter()
         torch.cuda.reset_peak_memory_stats()
-        if mode == "offload_states":
-            engine.reload_states()
-        engine.step()
-        if mode == "offload_states":
-            engine.offload_states(include=OFFLOADED)
+        step()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         rows.append({"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0,
@@ -146,11 +150,7 @@ def worker(mode, args):
     for _ in range(args.iters):
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
-        if mode == "offload_states":
-            engine.reload_states()
-        engine.step()
-        if mode == "offload_states":
-            engine.offload_states(include=OFFLOADED)
+        step()
     torch.cuda.synchronize()
     pipelined = (time.perf_counter() - t0) / args.iters
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}

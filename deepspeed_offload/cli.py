@@ -15,7 +15,7 @@ from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, check_host_memor
 def cmd_check(ns) -> int:
     try:
         ds_config = load_ds_config(ns.config)
-        plan = validate(ds_config)
+        plan = validate(ds_config, strict_when_disabled=True)
         host_line = ""
         if plan is not None and ns.params:
             world = ns.world_size

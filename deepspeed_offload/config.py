@@ -66,6 +66,28 @@ class Plan(BaseModel):
     sub_group_size_set_by_us: bool
 
 
+def _no_duplicate_keys(pairs):
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise ConfigError(k, "appears twice in one object of the ds_config (DeepSpeed refuses that too)")
+    return dict(pairs)
+
+
+def _parse(text: str, where: str) -> Dict[str, Any]:
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as strict_err:
+        try:  # DeepSpeed reads configs with hjson; strict JSON first, for the clearer position
+            data = hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except hjson.HjsonDecodeError:
+            raise ConfigError(where, f"not valid JSON at line {strict_err.lineno}, column {strict_err.colno}: "
+                              f"{strict_err.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(where, f"a ds_config must be a JSON object, this is a {type(data).__name__}")
+    return data
+
+
 def load_ds_config(config) -> Dict[str, Any]:
     """Read a ds_config the way ``deepspeed.initialize`` accepts it: a dict, a path to a JSON (or
     hjson) file, or a base64-encoded JSON string. A file that does not parse is a ConfigError that
@@ -74,26 +96,13 @@ def load_ds_config(config) -> Dict[str, Any]:
         return config
     if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
         with open(config, "r") as f:
-            text = f.read()
-        try:
-            # DeepSpeed reads config files with hjson; strict JSON first for the clearer position.
-            return json.loads(text)
-        except json.JSONDecodeError as strict_err:
-            try:
-                data = hjson.loads(text)
-            except hjson.HjsonDecodeError:
-                raise ConfigError(str(config), f"not valid JSON at line {strict_err.lineno}, column "
-                                  f"{strict_err.colno}: {strict_err.msg}") from None
-            if not isinstance(data, dict):
-                raise ConfigError(str(config), "a ds_config must be a JSON object")
-            return dict(data)
+            return _parse(f.read(), str(config))
     if isinstance(config, str):
         try:
-            decoded = json.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+            text = base64.urlsafe_b64decode(config).decode("utf-8")
         except Exception:
             raise ConfigError("config", f"{config!r} is neither an existing file, a dict, nor base64-encoded JSON")
-        if isinstance(decoded, dict):
-            return decoded
+        return _parse(text, "config (base64)")
     raise ConfigError("config", f"expected a dict, a path to a JSON file or base64 JSON, got {type(config).__name__}")
 
 
@@ -147,9 +156,22 @@ def _compile_supported() -> Tuple[bool, str]:
     return True, ""
 
 
-def validate(ds_config: Dict[str, Any]) -> Optional[Plan]:
+def validate(ds_config: Dict[str, Any], strict_when_disabled: bool = False) -> Optional[Plan]:
     """Check the block and its neighbours. Returns None when offload is off (then the ds_config
-    goes to DeepSpeed untouched), else the Plan. Raises ConfigError before anything is changed."""
+    goes to DeepSpeed untouched), else the Plan. Raises ConfigError before anything is changed.
+
+    A block with ``enabled: false`` (or no ``enabled``) changes nothing, so a mistake elsewhere in it
+    is only a warning, unless ``strict_when_disabled`` (what ``deepspeed-offload check`` asks for)."""
+    raw = ds_config.get(BLOCK)
+    if raw is None:
+        return None
+    if isinstance(raw, dict) and raw.get("enabled", False) is False and not strict_when_disabled:
+        try:
+            parse_block(ds_config)
+        except ConfigError as e:
+            from deepspeed.utils import logger
+            logger.warning(f"[deepspeed-offload] {e} (the block is not enabled: ignored)")
+        return None
     offload = parse_block(ds_config)
     if not offload.enabled:
         return None
@@ -164,6 +186,11 @@ def validate(ds_config: Dict[str, Any]) -> Optional[Plan]:
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           f"is '{opt_dev}': ZeRO-Offload already owns the optimizer state and steps it on the CPU; "
                           f"remove offload_optimizer or set {BLOCK}.enabled to false")
+
+    if offload.async_checkpoint and _get(ds_config, "checkpoint.use_node_local_storage", False):
+        raise ConfigError("checkpoint.use_node_local_storage",
+                          f"async checkpoints commit 'latest' once rank 0 sees every rank's files, which node-local "
+                          f"storage hides from it: turn one of the two off ({BLOCK}.async_checkpoint)")
 
     deepcompile = _get(ds_config, "compile.deepcompile", False) is True
     mode = offload.mode if offload.mode != "auto" else ("compile" if deepcompile else "stream")
@@ -217,6 +244,14 @@ def format_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def local_ranks() -> int:
+    """Ranks of this job on this node (the launcher's LOCAL_WORLD_SIZE), whose stores share its memory."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    return 1
 
 
 def check_host_memory(needed: int, available: Optional[int] = None, what: str = "the pinned host store"):

@@ -13,11 +13,16 @@ What keeps that safe and durable:
   disk and committing go on after the guard has let the step through);
 - a new save (or a load) waits for the previous one;
 - each file is written to ``<name>.tmp``, flushed, fsync'ed and renamed; each rank then drops a
-  ``.deepspeed_offload_rank<r>.done`` marker in the tag directory, and rank 0 writes ``latest``
-  (again temp file + rename) only when every rank's marker is there. A killed or failed write leaves
-  at most ``.tmp`` files in the new tag's directory: ``latest`` still names the previous checkpoint;
-- a failed write is raised at the next ``engine.step()`` or ``wait_for_checkpoint``, with the path
-  and the cause; ``wait_for_checkpoint`` also runs at interpreter exit.
+  ``.deepspeed_offload_rank<r>.done`` marker in the tag directory (removed at the start of every
+  save, so a reused tag cannot count an old one), and rank 0 writes ``latest`` (again temp file +
+  rename) only when every rank's marker is there. A killed or failed write leaves an incomplete
+  new tag directory that ``latest`` does not name: it still names the previous checkpoint. (A save
+  that reuses the tag ``latest`` names replaces that checkpoint file by file, as DeepSpeed's own
+  save does; a warning says so.)
+- a failed write is raised at the next ``engine.step()`` (the first after the save), the next save
+  or load, or ``wait_for_checkpoint``, on every rank at once (the ranks agree through one small
+  all-reduce, so none is left waiting in a collective), with the path and the cause. At interpreter
+  exit the writer is joined and a failure is logged.
 """
 
 import atexit
@@ -111,6 +116,7 @@ class AsyncCheckpointer:
         self.engine = engine
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
         self._thread = None
+        self._unchecked = False  # a save whose outcome the ranks have not yet agreed on
         self._written = threading.Event()  # this rank's files are serialized: the host store is free
         self._written.set()
         self._error = None
@@ -152,6 +158,18 @@ class AsyncCheckpointer:
         if handle is not None:
             handle.drain()
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
+        rank, world = dist.get_rank(), dist.get_world_size()
+        tag_dir = os.path.join(save_dir, tag)
+        # A reused tag: this rank's old marker must not count for the new save. DeepSpeed's save
+        # below has barriers, so every rank has removed its marker before any writer starts.
+        for suffix in ("done", "failed"):
+            try:
+                os.remove(os.path.join(tag_dir, f".deepspeed_offload_rank{rank}.{suffix}"))
+            except OSError:
+                pass  # not there (or no such directory yet)
+        if rank == 0 and _reads(os.path.join(save_dir, "latest")) == tag:
+            logger.warning(f"[deepspeed-offload] saving over checkpoint {tag}, which 'latest' names: its files are "
+                           "replaced one by one; use a new tag per save to keep the previous checkpoint whole")
         capture = _Capture(self.engine.checkpoint_engine, self._snapshot)
         self.engine.checkpoint_engine = capture
         try:
@@ -159,12 +177,12 @@ class AsyncCheckpointer:
                             exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             self.engine.checkpoint_engine = capture._inner
-        rank, world = dist.get_rank(), dist.get_world_size()
-        job = dict(files=capture.files, tag=tag, tag_dir=os.path.join(save_dir, tag), save_dir=save_dir,
-                   rank=rank, world=world, save_latest=save_latest)
+        job = dict(files=capture.files, tag=tag, tag_dir=tag_dir, save_dir=save_dir, rank=rank, world=world,
+                   save_latest=save_latest)
         blocking = time.perf_counter() - t0
         self.last = {"tag": tag, "blocking_s": blocking, "background_s": None}
         self._written.clear()
+        self._unchecked = True
         self._thread = threading.Thread(target=self._write, args=(job, ), name="deepspeed-offload-ckpt")
         self._thread.start()
         print_dist(f"[deepspeed-offload] checkpoint {tag}: save_checkpoint blocked {blocking:.3f} s; "
@@ -176,7 +194,10 @@ class AsyncCheckpointer:
         return self._orig_load(*args, **kwargs)
 
     def step(self, *args, **kwargs):
-        self._raise_if_failed()
+        if self._unchecked:
+            # Every rank passes here exactly once per save, so the all-reduce below always pairs up.
+            self._unchecked = False
+            self._agree_on_failure()
         return self._orig_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ the writer
@@ -189,7 +210,7 @@ class AsyncCheckpointer:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 _write_tmp(path, lambda f, obj=obj: torch.save(obj, f))
         except BaseException as e:  # noqa: B902 - reported at the next step or wait
-            self._error = CheckpointWriteError(f"writing checkpoint {job['tag_dir']} failed: {e!r}")
+            self._fail(job, f"writing checkpoint {job['tag_dir']} failed: {e!r}")
             return
         finally:
             # Serialized (or failed): the host store is no longer read, the step may overwrite it.
@@ -201,7 +222,7 @@ class AsyncCheckpointer:
             marker = os.path.join(job["tag_dir"], f".deepspeed_offload_rank{job['rank']}.done")
             _atomic_write(marker, lambda f: f.write(b"ok"))
         except BaseException as e:  # noqa: B902
-            self._error = CheckpointWriteError(f"writing checkpoint {job['tag_dir']} failed: {e!r}")
+            self._fail(job, f"writing checkpoint {job['tag_dir']} failed: {e!r}")
             return
         try:
             if job["rank"] == 0 and job["save_latest"]:
@@ -210,13 +231,26 @@ class AsyncCheckpointer:
             self._error = CheckpointWriteError(f"committing checkpoint {job['tag_dir']} failed: {e!r}")
             return
         self.last["background_s"] = time.perf_counter() - t0
-        logger.info(f"[deepspeed-offload] checkpoint {job['tag']} written in {self.last['background_s']:.3f} s")
+        print_dist(f"[deepspeed-offload] checkpoint {job['tag']} written in the background in "
+                   f"{self.last['background_s']:.3f} s", ranks=[0])
+
+    def _fail(self, job, message):
+        self._error = CheckpointWriteError(message)
+        try:  # let rank 0 stop waiting for this rank at once
+            marker = os.path.join(job["tag_dir"], f".deepspeed_offload_rank{job['rank']}.failed")
+            with open(marker, "w") as f:
+                f.write(message)
+        except OSError:
+            pass
 
     def _commit(self, job):
         """Rank 0: once every rank's marker is there, point ``latest`` at the new tag."""
         deadline = time.monotonic() + COMMIT_TIMEOUT_S
         markers = [os.path.join(job["tag_dir"], f".deepspeed_offload_rank{r}.done") for r in range(job["world"])]
         while not all(os.path.exists(m) for m in markers):
+            failed = [m for m in markers if os.path.exists(m[:-len("done")] + "failed")]
+            if failed:
+                raise RuntimeError(f"another rank's write failed: {_reads(failed[0][:-len('done')] + 'failed')}")
             if time.monotonic() > deadline:
                 missing = [m for m in markers if not os.path.exists(m)]
                 raise TimeoutError(f"ranks did not finish within {COMMIT_TIMEOUT_S:.0f} s: {missing}")
@@ -230,31 +264,55 @@ class AsyncCheckpointer:
         if self.guard_enabled:
             self._written.wait()
 
-    def _raise_if_failed(self):
-        if self._error is not None:
+    def _agree_on_failure(self):
+        """Raise on every rank if any rank's write has failed so far (one all-reduce)."""
+        from deepspeed import comm as dist
+        failed = self._error is not None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from deepspeed.accelerator import get_accelerator
+            flag = torch.tensor([int(failed)], device=get_accelerator().current_device_name())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            failed_somewhere = bool(flag.item())
+        else:
+            failed_somewhere = failed
+        if failed_somewhere:
             err, self._error = self._error, None
-            raise err
+            raise err or CheckpointWriteError("another rank's checkpoint write failed (its log says why)")
 
-    def wait(self):
-        """Block until this rank's write and (on rank 0) the commit of ``latest`` are done."""
+    def _join(self):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._raise_if_failed()
+
+    def wait(self):
+        """Block until this rank's write and (on rank 0) the commit of ``latest`` are done; raise on
+        every rank if any rank's write failed. Collective: call it on every rank."""
+        self._join()
+        self._unchecked = False
+        self._agree_on_failure()
 
 
 def wait_for_checkpoint(engine):
-    """Block until ``engine``'s asynchronous checkpoint is written and committed; raise if it failed."""
+    """Block until ``engine``'s asynchronous checkpoint is written and committed; raise (on every
+    rank) if it failed. Call it on every rank, like ``save_checkpoint``."""
     handle = getattr(engine, "_deepspeed_offload", None)
     ckpt = getattr(handle, "checkpointer", None)
     if ckpt is not None:
         ckpt.wait()
 
 
+def _reads(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 @atexit.register
 def _wait_all_at_exit():
+    # No collectives here: other ranks may be gone already. Finish the write, log a failure.
     for ckpt in list(_live):
-        try:
-            ckpt.wait()
-        except CheckpointWriteError as e:
-            logger.error(f"[deepspeed-offload] {e}")
+        ckpt._join()
+        if ckpt._error is not None:
+            logger.error(f"[deepspeed-offload] {ckpt._error}")

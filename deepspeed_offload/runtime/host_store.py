@@ -16,7 +16,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from ..config import BLOCK, ConfigError, check_host_memory
+from ..config import BLOCK, ConfigError, check_host_memory, local_ranks
 
 MASTER = "__master__"
 
@@ -48,7 +48,8 @@ class HostStore:
 
         nbytes = {dt: n * torch.empty(0, dtype=dt).element_size() for dt, n in totals.items()}
         self.nbytes = sum(nbytes.values())
-        check_host_memory(self.nbytes)  # before anything is pinned
+        ranks = local_ranks()  # every rank on this node pins a store of about this size
+        check_host_memory(self.nbytes * ranks, what=f"the pinned host stores of {ranks} rank(s) on this node")
         acc = get_accelerator()
         self.buffers: Dict[torch.dtype, torch.Tensor] = {}
         for dt, n in totals.items():

@@ -243,53 +243,75 @@ class StreamMode:
         self._orig = {name: getattr(opt, name) for name in ("_prepare_sub_group", "_release_sub_group")}
         opt._prepare_sub_group = self._prepare_sub_group
         opt._release_sub_group = self._release_sub_group
-        for name in ("state_dict", "_get_fp32_opt_state_partition"):
-            setattr(opt, name, self._drained(getattr(opt, name)))
-        opt.refresh_fp32_params = self._drained(self._guarded(opt.refresh_fp32_params))
-        orig_load = opt.load_state_dict
+        # Readers of host state wait for the last write-backs; writers also wait for an in-flight
+        # checkpoint write and drop prefetched slots (they hold the old values).
+        opt.state_dict = self._around(opt.state_dict)
+        opt._get_fp32_opt_state_partition = self._around(opt._get_fp32_opt_state_partition)
+        for name in ("_restore_from_bit16_weights", "_restore_from_fp32_weights", "set_full_hp_param",
+                     "set_local_hp_param"):
+            setattr(opt, name, self._around(getattr(opt, name), writes=True))
+        opt.load_state_dict = self._around(opt.load_state_dict, writes=True, after=self._all_to_host)
+        opt.step = self._around(opt.step, drain=False, on_error=self._abort_step)
 
-        def load_state_dict(*args, **kwargs):
-            self.drain()
-            self._guard()
-            self._loaded.clear()  # a prefetched slot holds the old state
-            result = orig_load(*args, **kwargs)
-            for i in self.order:
-                self._to_host(i)
-            return result
+        orig_prologue = self.engine._backward_prologue
 
-        opt.load_state_dict = load_state_dict
-
-        orig_backward = self.engine.backward
-
-        def backward(*args, **kwargs):
+        def backward_prologue(*args, **kwargs):
+            # Both engine.backward(loss) and a plain loss.backward() come through here, once.
             if self.cfg.prefetch and self.engine.is_gradient_accumulation_boundary():
                 self.prefetch()
-            return orig_backward(*args, **kwargs)
+            return orig_prologue(*args, **kwargs)
 
-        self.engine.backward = backward
+        self.engine._backward_prologue = backward_prologue
         for name in ("offload_states", "reload_states"):
             setattr(self.engine, name, self._refuse(name))
 
-    def _drained(self, fn):
+    def _around(self, fn, drain=True, writes=False, after=None, on_error=None):
 
         def wrapper(*args, **kwargs):
-            self.drain()
-            return fn(*args, **kwargs)
+            if drain and not self._in_step:
+                self.drain()
+                if writes:
+                    self._guard()
+                    self._loaded.clear()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException:
+                if on_error is not None:
+                    on_error()
+                raise
+            if after is not None:
+                after()
+            return result
 
         return wrapper
+
+    def _all_to_host(self):
+        for i in self.order:
+            self._to_host(i)
+
+    def _abort_step(self):
+        """A step that raised: point every tensor back at the host store and drop the slots, so the
+        next step (or a checkpoint) starts from a consistent place."""
+        if not self._in_step:
+            return
+        self.drain()
+        for i in self.order:
+            for key in self.store.slices[i]:
+                t = self._tensor(i, key)
+                if t is not None:
+                    t.grad = None
+                    t.data = self.store.view(i, key)
+        self._loaded.clear()
+        self._in_step = False
+        self._slots = None
+        self._slot_free = [None, None]
+        self._last_step_written = self._host_written
+        self.stats = None
 
     def _guard(self):
         """Before host state is overwritten: let an in-flight checkpoint write finish reading it."""
         if self.checkpointer is not None:
             self.checkpointer.guard()
-
-    def _guarded(self, fn):
-
-        def wrapper(*args, **kwargs):
-            self._guard()
-            return fn(*args, **kwargs)
-
-        return wrapper
 
     @staticmethod
     def _refuse(name):

@@ -82,6 +82,30 @@ def optimizer_for(spec, groups):
     raise ValueError(kind)
 
 
+def abort_step(engine):
+    """Make the update of the second sub-group raise, and report what the step left behind."""
+    base = engine.optimizer.optimizer
+    real_step, calls = base.step, []
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real_step(*args, **kwargs)
+
+    base.step = failing_step
+    try:
+        engine.step()
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    finally:
+        base.step = real_step
+    handle = deepspeed_offload.get_handle(engine)
+    return {"raised": raised, "host_resident": handle.host_resident(), "in_step": handle._in_step,
+            "slots": handle._slots is not None}
+
+
 def checkpoint(engine, save):
     if save.get("sync_dir"):
         # DeepSpeed's own synchronous save of the very same state, for the test to compare against
@@ -120,6 +144,7 @@ def main():
     dtype = DTYPES[spec.get("dtype", "bf16")]
     gen = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
+    result_extra = {}
     gas = spec.get("gas", 1)
     start = 0
     loaded_into_store = None
@@ -138,6 +163,9 @@ def main():
             if step == spec.get("overflow_step", -1) and micro == 0:
                 loss = loss * float("inf")  # every rank overflows: the step must be skipped
             engine.backward(loss)
+            if step == spec.get("abort_at") and micro == gas - 1:
+                result_extra["abort"] = abort_step(engine)
+                continue
             engine.step()
             losses.append(loss.item())
         for save in spec.get("saves", []):
@@ -146,7 +174,7 @@ def main():
 
     deepspeed_offload.wait_for_checkpoint(engine)
     result = {"losses": losses, "fp32": {}, "state": {}, "start": start,
-              "loaded_into_store": loaded_into_store}
+              "loaded_into_store": loaded_into_store, **result_extra}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p)
         if master is None:
@@ -158,6 +186,12 @@ def main():
                 result["state"][f"{name}.{key}"] = st.cpu()
     handle = deepspeed_offload.get_handle(engine)
     if handle is not None:
+        try:
+            engine.offload_states()
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        result["offload_states_refused"] = refused
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
                             "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]])}
     if engine.global_rank == 0:

@@ -45,6 +45,7 @@ def test_parity_two_ranks(tmp_path, name):
     assert handle["order"], "nothing was offloaded"
     stats = handle["stats"]
     assert stats["sub_groups"] == len(handle["order"]) and stats["bytes_h2d"] == stats["bytes_d2h"] > 0
+    assert "already lives in host memory" in ours["offload_states_refused"]
     if name == "budget_keeps_some_resident_no_prefetch":
         assert handle["resident"], "the budget should keep the first sub-groups resident"
     if name == "fp16_forced_overflow":
@@ -55,6 +56,13 @@ def test_parity_two_ranks(tmp_path, name):
     assert {"exp_avg", "exp_avg_sq"} <= set(handle["keys"])
     if CASES[name].get("dtype", "bf16") != "fp32":
         assert "__master__" in handle["keys"]
+
+
+@needs_two_ranks
+def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
+    out = launch(dict(CASES["one_param_per_sub_group"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path, "abort")
+    assert out["abort"] == {"raised": "injected failure", "host_resident": True, "in_step": False, "slots": False}
+    assert len(out["losses"]) == 4 and out["handle"]["steps"] == 4  # the steps after it ran and streamed
 
 
 def _gpus():

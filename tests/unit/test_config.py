@@ -63,6 +63,9 @@ REJECTED = [
     ("negative budget", with_(optimizer_state_offload__memory_budget_gb=-0.5),
      "optimizer_state_offload.memory_budget_gb"),
     ("block not an object", with_(optimizer_state_offload=True), "optimizer_state_offload"),
+    ("async checkpoint on node-local storage",
+     with_(optimizer_state_offload__async_checkpoint=True, checkpoint={"use_node_local_storage": True}),
+     "checkpoint.use_node_local_storage"),
 ]
 
 
@@ -141,14 +144,25 @@ def test_accepted_and_resolved():
 def test_disabled_or_absent_is_none():
     assert cfgmod.validate({"zero_optimization": {"stage": 1}}) is None
     assert cfgmod.validate(with_(zero_optimization__stage=0, optimizer_state_offload__enabled=False)) is None
-    with pytest.raises(ConfigError):  # a disabled block is still checked for typos
-        cfgmod.validate(with_(optimizer_state_offload={"enabled": False, "prefech": True}))
+    typo = with_(optimizer_state_offload={"enabled": False, "prefech": True})
+    assert cfgmod.validate(typo) is None  # disabled: initialize is plain DeepSpeed (a warning names the typo)
+    with pytest.raises(ConfigError, match="prefech"):  # ...but check says so
+        cfgmod.validate(typo, strict_when_disabled=True)
 
 
 def test_defaults_follow_design():
     c = OffloadConfig()
     assert (c.enabled, c.mode, c.sub_group_mb, c.pin_memory, c.prefetch, c.memory_budget_gb,
             c.async_checkpoint) == (False, "auto", 256, True, True, None, False)
+
+
+def test_files_read_like_deepspeed(tmp_path):
+    with pytest.raises(ConfigError, match="appears twice"):
+        cfgmod.load_ds_config(_write(tmp_path, '{"zero_optimization": {"stage": 3, "stage": 2}}'))
+    with pytest.raises(ConfigError, match="JSON object, this is a list"):
+        cfgmod.load_ds_config(_write(tmp_path, '[1, 2]'))
+    hj = cfgmod.load_ds_config(_write(tmp_path, '{\n  // hjson comments, as DeepSpeed accepts\n  "a": 1\n}'))
+    assert hj == {"a": 1}
 
 
 def test_config_routes(tmp_path):

@@ -137,3 +137,22 @@ def test_module_docstrings():
     import deepspeed_offload.runtime as rt
     for mod in (rt, cp, host_store, cfgmod, api):
         assert mod.__doc__ and len(mod.__doc__) > 80
+
+
+def test_host_memory_is_checked_before_deepspeed_runs(spies, monkeypatch):
+    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 10_000)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    model = torch.nn.Linear(100, 10)  # 1010 parameters: 505 per rank, 6060 bytes, 2 ranks here: 12120
+    cfg = {"zero_optimization": {"stage": 3}, "optimizer_state_offload": {"enabled": True}}
+    with pytest.raises(ConfigError, match=r"2 rank\(s\) on this node needs 11\.84 KiB .* only 9\.77 KiB"):
+        deepspeed_offload.initialize(model=model, config=cfg)
+    assert spies == []
+
+
+def test_host_store_counts_the_ranks_of_the_node(monkeypatch):
+    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 3000)
+    HostStore({0: [(MASTER, torch.float32, 500)]}, pin_memory=False)  # 2000 bytes: fits alone
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 rank"):
+        HostStore({0: [(MASTER, torch.float32, 500)]}, pin_memory=False)
