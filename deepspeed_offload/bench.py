@@ -15,6 +15,9 @@ Modes:
   checkpoint      stream mode with async_checkpoint: DeepSpeed's synchronous save of the same engine,
                   then our async save (time until save_checkpoint returns, iterations run during the
                   write, time until the write is done)
+  compiled        DeepCompile (engine.compile()), states resident
+  dc_offload_opt_states       DeepCompile with its own compile.offload_opt_states, default budget
+  dc_offload_opt_states_full  the same, forced to offload everything (DS_DC_OFFLOAD_OPT_BUDGET_GB=0)
 
 Per iteration (synchronized): iteration time, step time, peak GPU memory during the step (peak
 stats reset right before engine.step()), GPU memory allocated between steps.
@@ -28,7 +31,10 @@ import subprocess
 import sys
 import time
 
-MODES = ["bandwidth", "resident", "stream", "stream_prefetch", "offload_states", "zero_offload", "checkpoint"]
+MODES = ["bandwidth", "resident", "stream", "stream_prefetch", "offload_states", "zero_offload", "checkpoint",
+         "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
+# DeepCompile compiles, profiles and re-applies its passes over the first steps: warm up longer.
+COMPILED_WARMUP = 6
 GiB = 2**30
 
 
@@ -44,6 +50,8 @@ def ds_config(mode, args):
         cfg["optimizer_state_offload"] = {"enabled": True, "mode": "stream", "memory_budget_gb": 0,
                                           "sub_group_mb": args.sub_group_mb, "prefetch": mode == "stream_prefetch",
                                           "async_checkpoint": mode == "checkpoint"}
+    if mode == "compiled" or mode.startswith("dc_"):
+        cfg["compile"] = {"deepcompile": True, "offload_opt_states": mode.startswith("dc_offload_opt_states")}
     if mode == "zero_offload":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return cfg
@@ -118,7 +126,13 @@ def worker(mode, args):
             layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
         model = torch.nn.Sequential(*layers)
     nparams = sum(p.ds_numel for p in model.parameters())
+    if mode == "dc_offload_opt_states_full":
+        os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # DeepSpeed's own hook to force full offload
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    warmup = args.warmup
+    if "compile" in cfg:
+        engine.compile()
+        warmup = max(warmup, COMPILED_WARMUP)
     x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
 
     def step():
@@ -129,7 +143,7 @@ def worker(mode, args):
             engine.offload_states(include=OFFLOADED)
 
     rows = []
-    for it in range(args.warmup + args.iters):
+    for it in range(warmup + args.iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = engine(x).float().pow(2).mean()
@@ -143,7 +157,7 @@ def worker(mode, args):
         rows.append({"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0,
                      "peak_step_GiB": torch.cuda.max_memory_allocated() / GiB,
                      "between_GiB": torch.cuda.memory_allocated() / GiB})
-    rows = rows[args.warmup:]
+    rows = rows[warmup:]
     # Pipelined: no synchronize between iterations, so copies may overlap the next forward.
     torch.cuda.synchronize()
     t0 = time.perf_counter()
