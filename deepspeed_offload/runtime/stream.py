@@ -177,8 +177,7 @@ class StreamMode:
         self.store = HostStore({i: entries(i) for i in self.order}, cfg.pin_memory)
 
         # Move what exists now (masters; states too if the optimizer already stepped or loaded).
-        for i in self.order:
-            self._to_host(i)
+        self._all_to_host()
         acc.empty_cache()
 
         # Two slots, each as large as the largest sub-group's region, per dtype.
@@ -296,16 +295,9 @@ class StreamMode:
             return
         self.drain()
         for i in self.order:
-            for key in self.store.slices[i]:
-                t = self._tensor(i, key)
-                if t is not None:
-                    t.grad = None
-                    t.data = self.store.view(i, key)
+            self._point_at_host(i, drop_grad=True)
         self._loaded.clear()
-        self._in_step = False
-        self._slots = None
-        self._slot_free = [None, None]
-        self._last_step_written = self._host_written
+        self._close_step()
         self.stats = None
 
     def _guard(self):
@@ -455,17 +447,25 @@ class StreamMode:
             self.stats.add_cpu("d2h", time.perf_counter() - t0)
         self._slot_free[slot_index] = done
         self._host_written = done
+        self._point_at_host(i)
+        self.stats.sub_groups += 1
+
+    def _point_at_host(self, i, drop_grad=False):
         for key in self.store.slices[i]:
             t = self._tensor(i, key)
             if t is not None:
+                if drop_grad:
+                    t.grad = None  # a device gradient would not fit a host tensor
                 t.data = self.store.view(i, key)
-        self.stats.sub_groups += 1
 
-    def _end_step(self):
+    def _close_step(self):
         self._in_step = False
         self._slots = None  # back to the allocator; record_stream holds the blocks until the copies end
         self._slot_free = [None, None]
         self._last_step_written = self._host_written
+
+    def _end_step(self):
+        self._close_step()
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
 
