@@ -153,10 +153,7 @@ class AsyncCheckpointer:
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         self.wait()  # one save at a time; raises if the previous one failed
         from deepspeed import comm as dist
-        t0 = time.perf_counter()
-        handle = getattr(self.engine, "_deepspeed_offload", None)
-        if handle is not None:
-            handle.drain()
+        t0 = time.perf_counter()  # (the optimizer's state_dict drains pending write-backs itself)
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
         rank, world = dist.get_rank(), dist.get_world_size()
         tag_dir = os.path.join(save_dir, tag)
