@@ -3,10 +3,18 @@
 On a machine without GPUs DeepSpeed picks its CPU accelerator and the two ranks talk over gloo;
 with GPUs they use NCCL, one GPU each. ``launch`` writes the spec to a temp dir, runs the launcher
 as a subprocess with a timeout and returns the ``torch.save``d result of rank 0.
+
+Two things of DeepSpeed's own make launcher runs fragile on a shared machine, and ``run`` guards
+against both: a JIT build killed mid-way leaves a ``lock`` file that makes every later build wait
+forever (so the tests build into a private extensions dir, see conftest.py, and kill the whole
+process group on a timeout), and the CPU accelerator's shm all-reduce leaves a 66 MB file per rank
+in /dev/shm that nobody unlinks (conftest.py removes what a test created). After one launch hung,
+the rest fail at once with its reason instead of each waiting out its own timeout.
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,10 +25,36 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PARITY = HERE / "parity_train.py"
+EXTENSIONS_DIR = ROOT / ".cache" / "torch_extensions"
+
+_hung = None  # the first launch that timed out, if any
 
 
 class LaunchError(AssertionError):
     pass
+
+
+def stale_locks():
+    return sorted(str(p) for p in EXTENSIONS_DIR.glob("*/*/lock"))
+
+
+def run(cmd, name: str, timeout: int, env: dict) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root in its own process group; on a timeout the whole group
+    (launcher and ranks) is killed, and every later ``run`` fails at once."""
+    global _hung
+    if _hung is not None:
+        raise LaunchError(f"{name}: not run, an earlier launch hung: {_hung}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        locks = stale_locks()
+        _hung = f"{name} timed out after {timeout}s" + (f" (JIT build locks left: {locks})" if locks else "")
+        raise LaunchError(f"{_hung}\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
 def two_ranks_unavailable():
@@ -47,10 +81,7 @@ def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int 
     full_env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     OMP_NUM_THREADS="1")
     full_env.update(env or {})
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise LaunchError(f"{name}: launcher timed out after {timeout}s\n{(e.stdout or '')[-4000:]}") from None
+    proc = run(cmd, name, timeout, env=full_env)
     (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if expect_failure:
         if proc.returncode == 0:

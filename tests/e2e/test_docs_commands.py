@@ -4,11 +4,10 @@
 
 import os
 import re
-import subprocess
 
 import pytest
 
-from harness import ROOT, two_ranks_unavailable
+from harness import ROOT, run, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 
@@ -34,5 +33,5 @@ def test_doc_command_runs(command, tmp_path):
     if command.startswith("deepspeed ") and two_ranks_unavailable():
         pytest.skip(two_ranks_unavailable())
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{command}\n{(proc.stdout + proc.stderr)[-4000:]}"
+    proc = run(["bash", "-c", command], command[:40], 300, env)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-4000:]}"

@@ -2,12 +2,11 @@
 the README's main job runs."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
-from harness import two_ranks_unavailable, ROOT, assert_bitwise_equal, launch
+from harness import ROOT, assert_bitwise_equal, launch, run, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -28,8 +27,8 @@ def test_readme_main_job(tmp_path):
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "examples/train.py",
            "--deepspeed_config", "examples/ds_config_offload.json", "--steps", "4"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
+    proc = run(cmd, "readme-main-job", 300, env)
+    out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     assert "step 3 loss" in out
     assert "stream mode: 2 of 2 sub-groups offloaded" in out  # the attach log line
