@@ -32,10 +32,21 @@ def jit_ops_built():
         builder.load()
 
 
+def _shm_files():
+    return set(SHM.glob(SHM_GLOB)) if SHM.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_before_session():
+    before = _shm_files()
+    yield before
+    for path in _shm_files() - before:
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture(autouse=True)
-def no_shm_left_behind():
-    before = set(SHM.glob(SHM_GLOB)) if SHM.is_dir() else set()
+def no_shm_left_behind(shm_before_session):
+    """After each test (and module-scoped launches, at the first test after them)."""
     yield
-    if SHM.is_dir():
-        for path in set(SHM.glob(SHM_GLOB)) - before:
-            path.unlink(missing_ok=True)
+    for path in _shm_files() - shm_before_session:
+        path.unlink(missing_ok=True)
