@@ -21,6 +21,10 @@ State the optimizer creates lazily (Adam's moments at step 1) is made by the opt
 for the one sub-group being updated, copied into its slot and written back with it, so the GPU
 never holds more than that sub-group's fresh state on top of the slots.
 
+Compile mode adds one thing (``preload`` / ``offload``): a sub-group reloaded during backward into a
+buffer of its own skips its slot, is updated in place there, and stays on the device until the next
+forward's head writes it back, so both of its copies overlap compute instead of the step.
+
 On the CPU accelerator there are no streams or events: every copy runs synchronously, through the
 same code, so CI checks the bookkeeping for real.
 """
@@ -163,7 +167,7 @@ class StreamMode:
         def nbytes(i):
             return sum(numel * torch.empty(0, dtype=dt).element_size() for _, dt, numel in entries(i))
 
-        budget = self._budget_bytes()
+        budget = self._resident_budget_bytes()
         self.resident: List[int] = []
         kept = 0
         for i in range(n):
@@ -190,7 +194,10 @@ class StreamMode:
         self._loaded: Dict[int, object] = {}  # sub_group -> load-done event (or None on CPU), while in a slot
         self._slot_free: List[object] = [None, None]  # last write-back event of each slot
         self._host_written = None  # the newest write-back: what a CPU reader of host state waits for
-        self._last_step_written = None  # the previous step's last write-back: what this step's loads wait for
+        self._written: Dict[int, object] = {}  # sub_group -> its latest write-back event
+        self._preloaded: Dict[int, tuple] = {}  # sub_group -> (own buffers, load-done event), from preload()
+        self._in_buffers: Dict[int, dict] = {}  # sub_group -> own buffers, while the step updates it there
+        self._dirty: Dict[int, tuple] = {}  # sub_group -> (own buffers, update-done event), until offload()
         self._in_step = False
         self.steps = 0
         self.stats: Optional[StepStats] = None
@@ -207,7 +214,7 @@ class StreamMode:
 
     # ------------------------------------------------------------------ budget and layout
 
-    def _budget_bytes(self) -> int:
+    def _resident_budget_bytes(self) -> int:
         if self.cfg.memory_budget_gb is not None:
             return int(self.cfg.memory_budget_gb * 2**30)
         acc = self.streams.acc
@@ -272,6 +279,7 @@ class StreamMode:
                 if writes:
                     self._guard()
                     self._loaded.clear()
+                    self._preloaded.clear()
             try:
                 result = fn(*args, **kwargs)
             except BaseException:
@@ -297,6 +305,8 @@ class StreamMode:
         for i in self.order:
             self._point_at_host(i, drop_grad=True)
         self._loaded.clear()
+        self._preloaded.clear()
+        self._in_buffers.clear()
         self._close_step()
         self.stats = None
 
@@ -355,11 +365,12 @@ class StreamMode:
 
     def _slot_view(self, i, key):
         s = self.store.slices[i][key]
-        return self._slot_of(i)[s.dtype].narrow(0, s.offset, s.numel)
+        bufs = self._in_buffers.get(i) or self._slot_of(i)
+        return bufs[s.dtype].narrow(0, s.offset, s.numel)
 
     def _load(self, i):
         """H2D of sub-group ``i`` into its slot, on the h2d stream."""
-        if i in self._loaded:
+        if i in self._loaded or i in self._preloaded:
             return
         if self._slots is None:
             self._allocate_slots()
@@ -370,7 +381,7 @@ class StreamMode:
         t0 = time.perf_counter()
         with st.on(st.h2d):
             st.wait(st.h2d, self._slot_free[slot_index])
-            st.wait(st.h2d, self._last_step_written)
+            st.wait(st.h2d, self._written.get(i))
             for dt, numel in self.store.region_numel(i).items():
                 self._slots[slot_index][dt].narrow(0, 0, numel).copy_(self.store.region(i, dt), non_blocking=True)
                 self.stats.bytes_h2d += self.store.region(i, dt).nbytes
@@ -386,24 +397,77 @@ class StreamMode:
         acc = self.streams.acc
         if self.streams.async_ok and acc.max_memory_allocated() + 2 * self.slot_bytes > 0.9 * acc.total_memory():
             return  # the peak seen so far plus both slots would not fit: load at the step instead
-        for i in self.order[:2]:
+        first = [i for i in self.order[:2] if i not in self._preloaded and i not in self._dirty]
+        for i in first:
             self._load(i)
-        self.stats.prefetched = len(self.order[:2])
+        if first:
+            self.stats.prefetched = len(first)
+
+    def preload(self, i) -> int:
+        """H2D of sub-group ``i`` into buffers of its own, ahead of the step (compile mode: from a
+        reload op in backward). Returns the bytes it started to copy (0 if already there)."""
+        if i in self._preloaded or i in self._loaded or i in self._dirty or self._in_step:
+            return 0
+        st = self.streams
+        device = st.acc.current_device_name()
+        # Allocated on the compute stream, which may still be reading what the allocator just gave
+        # back: the copy waits for the compute work queued so far before it writes.
+        bufs = {dt: torch.empty(numel, dtype=dt, device=device) for dt, numel in self.store.region_numel(i).items()}
+        allocated = st.event(st.compute())
+        copied = 0
+        with st.on(st.h2d):
+            st.wait(st.h2d, allocated)
+            st.wait(st.h2d, self._written.get(i))
+            for dt, buf in bufs.items():
+                buf.copy_(self.store.region(i, dt), non_blocking=True)
+                if st.async_ok:
+                    buf.record_stream(st.h2d)
+                copied += buf.nbytes
+            self._preloaded[i] = (bufs, st.event(st.h2d))
+        return copied
+
+    def preloaded_event(self):
+        """The newest preload's copy-done event (None when nothing is preloaded or on the CPU)."""
+        return next(reversed(self._preloaded.values()))[1] if self._preloaded else None
+
+    def offload(self, i) -> int:
+        """D2H of a sub-group the last step updated in its own buffers, then back to the host store.
+        The buffers return to the allocator once the copy is done (record_stream), nobody waits."""
+        if i not in self._dirty:
+            return 0
+        bufs, updated = self._dirty.pop(i)
+        st = self.streams
+        with st.on(st.d2h):
+            st.wait(st.d2h, updated)
+            for dt, buf in bufs.items():
+                self.store.region(i, dt).copy_(buf, non_blocking=True)
+                if st.async_ok:
+                    buf.record_stream(st.d2h)
+            done = st.event(st.d2h)
+        self._written[i] = self._host_written = done
+        self._point_at_host(i)
+        return sum(b.nbytes for b in bufs.values())
 
     def _begin_step(self):
+        for i in list(self._dirty):  # no forward ran since the last step: its buffers are still the newest copy
+            self.offload(i)
         self._in_step = True
+        if self.stats is None:
+            self.stats = StepStats(timing=self.streams.async_ok)
         self._load(self.order[0])
 
     def _bring_in(self, i):
         st = self.streams
+        bufs, ready = self._preloaded.pop(i) if i in self._preloaded else (None, self._loaded.pop(i))
         if st.async_ok:
             before = st.event(st.compute(), timing=True)
-            st.wait(st.compute(), self._loaded.pop(i))
+            st.wait(st.compute(), ready)
             self.stats.span("h2d_wait", before, st.event(st.compute(), timing=True))
             self._update_start = st.event(st.compute(), timing=True)
         else:
-            self._loaded.pop(i)
             self._update_t0 = time.perf_counter()
+        if bufs is not None:
+            self._in_buffers[i] = bufs
         for key in self.store.slices[i]:
             t = self._tensor(i, key)
             if t is not None:
@@ -424,6 +488,7 @@ class StreamMode:
                                        f"{tuple(t.shape)} {t.dtype}, the host store expected {tuple(view.shape)} "
                                        f"{view.dtype}; this optimizer's state is not per-parameter tensors")
                 view.copy_(t.data)
+                t.data = view
         slot_index = self._position[i] % 2
         if self.stats.sub_groups == 0:
             self._guard()  # the first write to the host store in this step
@@ -433,6 +498,11 @@ class StreamMode:
         else:
             self.stats.add_cpu("update", time.perf_counter() - self._update_t0)
             updated = None
+        if i in self._in_buffers:
+            # Updated in its own buffers: the write-back waits for offload(), at the next forward's head.
+            self._dirty[i] = (self._in_buffers.pop(i), updated)
+            self.stats.sub_groups += 1
+            return
         t0 = time.perf_counter()
         with st.on(st.d2h):
             st.wait(st.d2h, updated)
@@ -446,7 +516,7 @@ class StreamMode:
         else:
             self.stats.add_cpu("d2h", time.perf_counter() - t0)
         self._slot_free[slot_index] = done
-        self._host_written = done
+        self._written[i] = self._host_written = done
         self._point_at_host(i)
         self.stats.sub_groups += 1
 
@@ -462,7 +532,6 @@ class StreamMode:
         self._in_step = False
         self._slots = None  # back to the allocator; record_stream holds the blocks until the copies end
         self._slot_free = [None, None]
-        self._last_step_written = self._host_written
 
     def _end_step(self):
         self._close_step()
@@ -476,7 +545,10 @@ class StreamMode:
             for i in self.order for key in self.store.slices[i])
 
     def drain(self):
-        """Block until every write-back to the host store has landed."""
+        """Write back what the last step left on the device, and block until every write-back to the
+        host store has landed."""
+        for i in list(self._dirty):
+            self.offload(i)
         if self._host_written is not None:
             self._host_written.synchronize()
 
