@@ -1,15 +1,33 @@
 """Compile mode: optimizer-state offload inside DeepCompile's schedule.
 
-Owns this package's ``torch.library`` ops (offload launch, reload, empty-cache, copy-stream sync),
-the capacity-first planner that places reloads in backward within the memory budget, and the
-wiring of our pass into ``engine.compile()``'s schedule. What is still on the host when backward
-ends goes through the same host store and streamed step as stream mode (deepspeed_offload.runtime).
+``ops`` (this package's ``torch.library`` ops: offload launch, reload, empty-cache, copy-stream
+sync), ``planner`` (where backward reloads fit the memory budget, capacity-first), ``schedule``
+(our pass and how ``engine.compile()`` comes to run it) and ``mode`` (the runtime the ops call:
+stream mode's host store and streamed step, plus early reloads and late write-backs).
 
-Not built yet: ``AVAILABLE`` is False, and validation rejects compile mode before an engine exists.
+Compile mode stays behind ``DS_OFFLOAD_EXPERIMENTAL_COMPILE=1`` until it has passed its GPU
+end-to-end parity run and benchmark (DeepCompile needs CUDA, so CI runs only its CPU parts):
+without it, validation rejects compile mode with a clear error before an engine exists.
 """
 
-AVAILABLE = False
+import os
+from typing import Tuple
+
+EXPERIMENTAL_ENV = "DS_OFFLOAD_EXPERIMENTAL_COMPILE"
+
+
+def available() -> Tuple[bool, str]:
+    if os.environ.get(EXPERIMENTAL_ENV) == "1":
+        return True, ""
+    return False, ("compile mode is built but not yet validated on a GPU in this release: use mode 'stream' "
+                   f"(or turn compile.deepcompile off), or set {EXPERIMENTAL_ENV}=1 to try it")
 
 
 def attach_compile(engine, offload_config):
-    raise NotImplementedError("deepspeed-offload compile mode is not available in this release")
+    """Compile mode on ``engine`` (before ``engine.compile()``): the runtime, and our pass in the
+    schedule ``engine.compile()`` will run. Returns the handle."""
+    from .mode import CompileMode
+    from .schedule import install
+    mode = CompileMode(engine, offload_config)
+    install(engine, mode)
+    return mode

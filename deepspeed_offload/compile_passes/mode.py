@@ -1,0 +1,112 @@
+"""Compile mode's runtime: stream mode's host store and streamed step, driven by ops in the graphs.
+
+One host store, one streamed step (``runtime/stream.py``); this class only adds what the ops do:
+
+- ``reload`` (in backward, where the planner found room): ``StreamMode.preload`` copies a
+  sub-group into buffers of its own; the step updates it there instead of streaming it.
+- ``copy_stream_sync`` (end of backward): the compute stream waits for those copies (an event,
+  no host wait), so the step starts on complete state.
+- ``offload_launch`` (head of the next forward): ``StreamMode.offload`` writes the updated
+  sub-group back and hands its buffers to the allocator once the copy is done.
+- ``empty_cache`` (head of forward): returns cached blocks once per compile phase, not per step.
+
+Nothing stays resident between phases: every offloaded sub-group leaves the device at the head of
+forward whatever the budget, which decides only how much comes back early in backward. With
+gradient accumulation, only the boundary micro-batch reloads; offloads happen on the first
+micro-batch, the only one that finds anything to write back.
+
+The counters are the cheap proof that the ops ran inside the compiled graphs: reloads are skipped
+while DeepCompile profiles, so a nonzero count means the compiled graph executed them.
+"""
+
+from typing import Dict
+
+from deepspeed.utils.logging import print_dist
+
+from ..runtime.stream import StreamMode
+from . import ops
+
+# With memory_budget_gb unset, the planner leaves this share of the device for what it cannot see.
+MARGIN = 0.2
+
+
+def _deepcompile_is_profiling() -> bool:
+    try:
+        from deepspeed.compile.util import get_deepcompile_handle
+        return bool(get_deepcompile_handle().is_profiling())
+    except Exception:  # no DeepCompile extension (CPU tests): never profiling
+        return False
+
+
+class CompileMode(StreamMode):
+    """Attached to one engine that will run under DeepCompile with our pass in its schedule."""
+
+    def __init__(self, engine, cfg, is_profiling=_deepcompile_is_profiling):
+        super().__init__(engine, cfg)
+        self.is_profiling = is_profiling
+        self.counters: Dict[str, int] = dict(launches=0, reloads=0, empty_cache=0, syncs=0, bytes_offloaded=0,
+                                             bytes_reloaded=0, phases=0)
+        # The step streams order[0] first and prefetch loads it during backward; the ones reloaded
+        # early are therefore the last of the order, and they are written back in the same order
+        # so that the next reload of each finds its own write-back done first.
+        self.priority = list(reversed(self.order))
+        self._empty_cache_armed = False
+        ops.register_ops()
+        ops.bind(self)
+        print_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
+                   ranks=[0])
+
+    def _resident_budget_bytes(self) -> int:
+        return 0  # capacity-first: everything leaves the device at the head of forward
+
+    def planner_budget_bytes(self) -> int:
+        if self.cfg.memory_budget_gb is not None:
+            return int(self.cfg.memory_budget_gb * 2**30)
+        acc = self.streams.acc
+        return int(acc.total_memory() * (1 - MARGIN)) if self.streams.async_ok else 0
+
+    def sub_group_bytes(self, i) -> int:
+        return sum(self.store.region(i, dt).nbytes for dt in self.store.region_numel(i))
+
+    def begin_phase(self):
+        """Called by the pass on the first forward graph of a compile phase, before it is profiled:
+        every sub-group back on the host (so the profile is the floor), and one empty_cache armed."""
+        self.drain()
+        self._preloaded.clear()
+        self._empty_cache_armed = True
+        self.counters["phases"] += 1
+
+    # ------------------------------------------------------------------ what the ops call
+
+    def op_offload_launch(self, i):
+        if self.is_profiling():
+            return
+        moved = self.offload(i)
+        if moved:
+            self.counters["launches"] += 1
+            self.counters["bytes_offloaded"] += moved
+
+    def op_reload(self, i):
+        if self.is_profiling() or not self.engine.is_gradient_accumulation_boundary():
+            return
+        moved = self.preload(i)
+        if moved:
+            self.counters["reloads"] += 1
+            self.counters["bytes_reloaded"] += moved
+
+    def op_empty_cache(self):
+        if self.is_profiling() or not self._empty_cache_armed:
+            return
+        self._empty_cache_armed = False
+        self.streams.acc.empty_cache()
+        self.counters["empty_cache"] += 1
+
+    def op_copy_stream_sync(self):
+        if self.is_profiling():
+            return
+        st = self.streams
+        st.wait(st.compute(), self.preloaded_event())
+        self.counters["syncs"] += 1
+
+    def detach_ops(self):
+        ops.unbind(self)

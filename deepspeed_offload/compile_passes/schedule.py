@@ -1,0 +1,150 @@
+"""Our pass in DeepCompile's schedule: where the ops go in each graph, and how ``engine.compile()``
+comes to run it.
+
+DeepCompile re-applies the passes of a schedule entry from the captured graph at each scheduled
+step (a compile phase), so every entry lists the ZeRO-3 pass (ours needs its gather/release nodes
+and the profile taken after them) and ours last (to see the profile after prefetch and selective
+gather). Per phase, the pass sees the forward graphs in order, then the backward graphs in the
+order backward runs them:
+
+- first forward graph: every sub-group goes back to the host before DeepCompile profiles
+  (``CompileMode.begin_phase``), then ``offload_launch`` per sub-group and one ``empty_cache``
+  go at its head;
+- each backward graph: ``reload`` nodes where ``planner.plan_reloads`` finds room, carrying what
+  earlier backward graphs reloaded;
+- last backward graph: ``copy_stream_sync`` before its output.
+"""
+
+from typing import List, Tuple
+
+from deepspeed.compile.passes import (offload_activation, offload_adam_states, offload_parameters, prefetch,
+                                      selective_gather, zero3_compile)
+from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
+from deepspeed.utils import logger
+
+from . import ops
+from .planner import plan_reloads
+
+NAME = "deepspeed_offload_opt_states"
+Z3 = zero3_compile.NAME
+DEFAULT_PASSES_AFTER_WARMUP = [prefetch.NAME, selective_gather.NAME]
+CONFLICTS = frozenset({
+    offload_adam_states.NAME, offload_adam_states.NAME_SYNC, offload_adam_states.NAME_FOR_INIT,
+    offload_parameters.NAME, offload_activation.NAME, offload_activation.FLOOR_NAME
+})
+CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=CONFLICTS, phase="both")
+
+
+def default_schedule(warmup: int) -> List[Tuple[int, List[str]]]:
+    """DeepSpeed's default ZeRO-3 schedule with our pass appended to each entry."""
+    return [(0, [Z3, NAME]), (warmup, [Z3, *DEFAULT_PASSES_AFTER_WARMUP, NAME])]
+
+
+def arrange(schedule, warmup: int):
+    """The schedule ``engine.compile()`` gets: the default one, or the user's with our pass appended
+    to each entry that lacks it."""
+    if schedule is None:
+        return default_schedule(warmup)
+    out = []
+    for step, passes in schedule:
+        passes = list(passes)
+        if NAME not in passes:
+            passes.append(NAME)
+            logger.info(f"[deepspeed-offload] compile schedule step {step}: appended {NAME}")
+        out.append((step, passes))
+    return out
+
+
+def _anchor(graph):
+    import torch
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+            return node
+    raise RuntimeError("deepspeed-offload: the graph has no tensor input to anchor its ops on")
+
+
+def _records(profile) -> List[Tuple[str, int]]:
+    return [(name, peak) for name, _alloc, _delta, peak in (profile or [])]
+
+
+class OffloadPass:
+    """The callable registered with DeepCompile; one per attached engine."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.held = 0  # bytes reloaded so far by this step's earlier backward graphs
+        self.pending = []  # reload tasks the backward graphs have not placed yet
+
+    def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
+                 bwd):
+        graph = gm.graph
+        if not bwd:
+            if graph_id != graph_order[0][0]:
+                return None
+            self.mode.begin_phase()
+            self._insert_at_head(graph)
+        else:
+            with_bwd = [g for g, needs in graph_order if needs]
+            if graph_id == with_bwd[-1]:  # the first backward graph to run
+                self.held = 0
+                self.pending = [(i, self.mode.sub_group_bytes(i)) for i in self.mode.priority]
+            self._insert_reloads(graph, profiling_results, graph_id)
+            if graph_id == with_bwd[0]:  # the last one
+                out = next(n for n in graph.nodes if n.op == "output")
+                with graph.inserting_before(out):
+                    graph.call_function(ops.op("copy_stream_sync"), (_anchor(graph), ))
+                if self.pending:
+                    logger.info(f"[deepspeed-offload] {len(self.pending)} sub-groups stream through the step")
+        graph.lint()
+        gm.recompile()
+        return gm
+
+    def _insert_at_head(self, graph):
+        anchor = _anchor(graph)
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            for i in self.mode.priority:
+                graph.call_function(ops.op("offload_launch"), (anchor, ops.task("offload_launch", i)))
+            graph.call_function(ops.op("empty_cache"), (anchor, ))
+
+    def _insert_reloads(self, graph, profiling_results, graph_id):
+        if not self.pending:
+            return
+        records = [(n, p) for n, p in _records(profiling_results[graph_id].bwd_mem)
+                   if n in {node.name for node in graph.nodes if node.op not in ("placeholder", "output")}]
+        if not records:
+            logger.warning(f"[deepspeed-offload] no memory profile for backward graph {graph_id}: "
+                           "nothing reloaded there")
+            return
+        fwd_peak = max((p for r in profiling_results.values() for _, p in _records(getattr(r, "fwd_mem", None))),
+                       default=0)
+        reserve = fwd_peak + 2 * self.mode.slot_bytes
+        placements, self.pending = plan_reloads(records, self.pending, self.mode.planner_budget_bytes(), reserve,
+                                                self.held)
+        anchor = _anchor(graph)
+        by_name = {n.name: n for n in graph.nodes}
+        for name, sub_groups in placements:
+            at = by_name[name]
+            for i in sub_groups:
+                with graph.inserting_after(at):
+                    at = graph.call_function(ops.op("reload"), (anchor, ops.task("reload", i)))
+                self.held += self.mode.sub_group_bytes(i)
+
+
+def install(engine, mode):
+    """Register the pass and make ``engine.compile()`` run the schedule with it."""
+    from deepspeed.compile.init_z3 import WARMUP
+    the_pass = OffloadPass(mode)
+    engine.register_compile_pass(NAME, the_pass, CONTRACT)
+    compile_fn = engine.compile
+
+    def compile(*args, **kwargs):
+        if len(args) >= 3:
+            args = list(args)
+            args[2] = arrange(args[2], WARMUP)
+        else:
+            kwargs["schedule"] = arrange(kwargs.get("schedule"), WARMUP)
+        return compile_fn(*args, **kwargs)
+
+    engine.compile = compile
+    return the_pass

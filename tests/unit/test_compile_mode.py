@@ -1,0 +1,278 @@
+"""Compile mode's pieces that run without a GPU: the ops (registration, dead-code elimination,
+program order through stock inductor on the CPU), the planner on synthetic profiles, and the pass
+on synthetic graphs. The runtime the ops drive is checked for parity in tests/e2e (CPU ranks)."""
+
+import types
+
+import pytest
+import torch
+import torch.fx
+from deepspeed.compile.passes import contract as dc_contract
+from deepspeed.compile.passes import offload_adam_states, zero3_compile
+from torch._higher_order_ops.effects import _EffectType, _get_effect
+
+from deepspeed_offload.compile_passes import ops, schedule
+from deepspeed_offload.compile_passes.planner import plan_reloads, suffix_peaks
+
+NAMES = ["offload_launch", "reload", "empty_cache", "copy_stream_sync"]
+
+
+class Recorder:
+    """Stands in for the attached mode: records what the ops asked for, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def op_offload_launch(self, i):
+        self.calls.append(("offload_launch", i))
+
+    def op_reload(self, i):
+        self.calls.append(("reload", i))
+
+    def op_empty_cache(self):
+        self.calls.append(("empty_cache", None))
+
+    def op_copy_stream_sync(self):
+        self.calls.append(("copy_stream_sync", None))
+
+
+@pytest.fixture
+def recorder():
+    rec = Recorder()
+    ops.bind(rec)
+    yield rec
+    ops.unbind(rec)
+
+
+def test_registration_is_idempotent_side_effectful_and_ordered():
+    ops.register_ops()
+    lib = ops._lib
+    ops.register_ops()
+    assert ops._lib is lib
+    for name in NAMES:
+        overload = ops.op(name)
+        assert overload.name().startswith("ds_offload::")
+        assert overload in torch.fx.node._side_effectful_functions
+        assert _get_effect(overload) == _EffectType.ORDERED
+    # our own namespace: a second DEF of it is refused, so nobody else can have defined it
+    with pytest.raises(RuntimeError):
+        torch.library.Library(ops.NAMESPACE, "DEF")
+
+
+def test_meta_kernels_and_task_registry():
+    a, b = ops.task("reload", 3), ops.task("reload", 5)
+    assert a != b and ops.task("reload", 3) == a and ops.TASKS[b] == ("reload", 5)
+    x = torch.empty(4, device="meta")
+    assert ops.op("reload")(x, a) is None and ops.op("empty_cache")(x) is None  # no runtime needed on meta
+
+
+def test_unbound_ops_fail_clearly():
+    with pytest.raises(RuntimeError, match="no deepspeed-offload compile mode attached"):
+        ops.op("empty_cache")(torch.zeros(1))
+
+
+OP = {name: ops.op(name) for name in NAMES}  # what the graphs hold: resolved OpOverloads
+T = [ops.task("offload_launch", 0), ops.task("reload", 1), ops.task("reload", 2)]
+
+
+def _program(x):
+    OP["offload_launch"](x, T[0])
+    OP["empty_cache"](x)
+    y = torch.sin(x) * 2
+    OP["reload"](x, T[1])
+    z = y.cos().sum()
+    OP["reload"](x, T[2])
+    OP["copy_stream_sync"](x)
+    return z + 1
+
+
+EXPECTED = [("offload_launch", 0), ("empty_cache", None), ("reload", 1), ("reload", 2), ("copy_stream_sync", None)]
+
+
+def test_fx_dead_code_elimination_keeps_them(recorder):
+    gm = torch.fx.symbolic_trace(_program)
+    before = [n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    gm.graph.eliminate_dead_code()
+    after = [n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    assert after == before and len(after) == 5
+    gm.recompile()
+    gm(torch.ones(3))
+    assert recorder.calls == EXPECTED
+
+
+def test_inductor_on_cpu_keeps_them_in_program_order(recorder):
+    torch._dynamo.reset()
+    compiled = torch.compile(_program, backend="inductor", fullgraph=True)
+    x = torch.linspace(0, 1, 8)
+    for _ in range(2):
+        out = compiled(x)
+    assert recorder.calls == EXPECTED * 2
+    assert torch.allclose(out, _program(x))
+
+
+# ---------------------------------------------------------------------- planner
+
+BWD = [("b0", 100), ("b1", 90), ("b2", 60), ("b3", 40), ("b4", 20)]  # backward frees as it goes
+TASKS = [(7, 10), (6, 10), (5, 10), (4, 10)]  # (sub-group, bytes), priority order
+
+
+def _check_within_budget(records, placements, budget, reserve, already=0):
+    """From the first reload on, what was reloaded so far fits beside the floor at every node."""
+    peaks = suffix_peaks(records)
+    sizes = dict(TASKS)
+    held = already
+    at = {name: sgs for name, sgs in placements}
+    for name, _ in records:
+        held += sum(sizes[i] for i in at.get(name, []))
+        if held > already:
+            assert held + max(peaks[name], reserve) <= budget, (name, held)
+
+
+def test_suffix_peaks():
+    assert suffix_peaks([("a", 5), ("b", 9), ("c", 2)]) == {"a": 9, "b": 9, "c": 2}
+
+
+def test_budget_forces_all_some_none():
+    # all: room for everything right at the start of backward
+    placed, left = plan_reloads(BWD, TASKS, budget=200, reserve=50)
+    assert placed == [("b0", [7, 6, 5, 4])] and left == []
+    # some: as activations are freed, room opens up; what never fits is left to the step
+    placed, left = plan_reloads(BWD, TASKS, budget=85, reserve=50)
+    assert placed == [("b2", [7, 6]), ("b3", [5])] and left == [(4, 10)]
+    _check_within_budget(BWD, placed, 85, 50)
+    # none: the floor alone uses the budget
+    placed, left = plan_reloads(BWD, TASKS, budget=60, reserve=55)
+    assert placed == [] and left == TASKS
+    # budget 0: everything streams through the step
+    assert plan_reloads(BWD, TASKS, budget=0, reserve=0) == ([], TASKS)
+
+
+def test_earlier_backward_graphs_count():
+    placed, left = plan_reloads(BWD, TASKS, budget=85, reserve=50, already=20)
+    assert placed == [("b3", [7])] and len(left) == 3
+    _check_within_budget(BWD, placed, 85, 50, already=20)
+
+
+def test_priority_order_is_kept():
+    tasks = [(1, 30), (2, 5)]  # the small second one would fit earlier, but does not jump the queue
+    placed, left = plan_reloads(BWD, tasks, budget=110, reserve=0)
+    assert placed == [("b2", [1, 2])] and left == []
+
+
+# ---------------------------------------------------------------------- schedule and pass
+
+def test_schedule_lists_z3_and_ours_in_every_entry():
+    for _, passes in schedule.default_schedule(5):
+        assert passes[0] == zero3_compile.NAME and passes[-1] == schedule.NAME
+    user = [(0, [zero3_compile.NAME]), (3, [zero3_compile.NAME, schedule.NAME])]
+    assert schedule.arrange(user, 5) == [(0, [zero3_compile.NAME, schedule.NAME]),
+                                         (3, [zero3_compile.NAME, schedule.NAME])]
+
+
+def test_contract_validates_with_deepspeed():
+    dc_contract.register_pass_contract(zero3_compile.NAME, zero3_compile.CONTRACT)
+    dc_contract.register_pass_contract(offload_adam_states.NAME_SYNC, offload_adam_states.CONTRACT_SYNC)
+    dc_contract.register_pass_contract(schedule.NAME, schedule.CONTRACT)
+    dc_contract.validate_schedule(schedule.default_schedule(5))
+    with pytest.raises(dc_contract.PassContractError, match="requires"):
+        dc_contract.validate_schedule([(0, [schedule.NAME])])  # without the ZeRO-3 pass
+    with pytest.raises(dc_contract.PassContractError, match="conflicts"):
+        dc_contract.validate_schedule([(0, [zero3_compile.NAME, offload_adam_states.NAME_SYNC, schedule.NAME])])
+
+
+class FakeMode:
+    """What the pass asks of the attached mode."""
+
+    def __init__(self, budget):
+        self.priority = [3, 2, 1, 0]
+        self.slot_bytes = 0
+        self.budget = budget
+        self.phases = 0
+
+    def sub_group_bytes(self, i):
+        return 10
+
+    def planner_budget_bytes(self):
+        return self.budget
+
+    def begin_phase(self):
+        self.phases += 1
+
+
+def _graph(names):
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.zeros(2)
+    prev = x
+    for name in names:
+        prev = g.call_function(torch.ops.aten.sin.default, (prev, ), name=name)
+    g.output(prev)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _targets(gm):
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            if n.target.name().startswith("ds_offload::"):
+                name = n.target.name().split("::")[1]
+                out.append((name, ops.TASKS[n.args[1]][1] if len(n.args) > 1 else None))
+            else:
+                out.append(n.name)
+    return out
+
+
+def _profiles(fwd_peak, bwd):
+    prof = types.SimpleNamespace(fwd_mem=[("f0", 0, 0, fwd_peak)], bwd_mem=[(n, 0, 0, p) for n, p in bwd])
+    return {1: prof}
+
+
+def test_pass_places_ops_in_forward_and_backward():
+    mode = FakeMode(budget=85)
+    the_pass = schedule.OffloadPass(mode)
+    order = [(1, True)]
+    fwd = the_pass(_graph(["f0", "f1"]), 1, order, _profiles(50, BWD), None, 0.0, None, False)
+    assert mode.phases == 1
+    assert _targets(fwd) == [("offload_launch", 3), ("offload_launch", 2), ("offload_launch", 1),
+                             ("offload_launch", 0), ("empty_cache", None), "f0", "f1"]
+    bwd = the_pass(_graph([n for n, _ in BWD]), 1, order, _profiles(50, BWD), None, 0.0, None, True)
+    assert _targets(bwd) == ["b0", "b1", "b2", ("reload", 3), ("reload", 2), "b3", ("reload", 1), "b4",
+                             ("copy_stream_sync", None)]
+    assert the_pass.pending == [(0, 10)]  # left to the streamed step
+
+
+def test_pass_with_a_graph_break_carries_what_backward_reloaded():
+    mode = FakeMode(budget=85)
+    the_pass = schedule.OffloadPass(mode)
+    order = [(1, True), (2, True)]  # backward runs graph 2 first, then graph 1
+    profiles = {1: types.SimpleNamespace(fwd_mem=[("f0", 0, 0, 50)], bwd_mem=[("c0", 0, 0, 30)]),
+                2: types.SimpleNamespace(fwd_mem=[("g0", 0, 0, 40)], bwd_mem=[(n, 0, 0, p) for n, p in BWD])}
+    assert the_pass(_graph(["g0"]), 2, order, profiles, None, 0.0, None, False) is None  # not the first graph
+    the_pass(_graph(["f0"]), 1, order, profiles, None, 0.0, None, False)
+    first = the_pass(_graph([n for n, _ in BWD]), 2, order, profiles, None, 0.0, None, True)
+    assert ("copy_stream_sync", None) not in _targets(first)
+    last = the_pass(_graph(["c0"]), 1, order, profiles, None, 0.0, None, True)
+    assert _targets(last)[-1] == ("copy_stream_sync", None)
+    reloaded = [t for t in _targets(first) + _targets(last) if isinstance(t, tuple) and t[0] == "reload"]
+    assert [i for _, i in reloaded] == [3, 2, 1]  # 85 - max(30, reserve 50) = 35 bytes: 3 of 4
+    assert the_pass.pending == [(0, 10)]
+
+
+def test_install_registers_the_pass_and_arranges_engine_compile():
+    seen = {}
+
+    class Engine:
+
+        def register_compile_pass(self, name, fn, contract):
+            seen["registered"] = (name, fn, contract)
+
+        def compile(self, backend="inductor", compile_kwargs={}, schedule=None, compiled_autograd_enabled=False):
+            seen.setdefault("schedules", []).append(schedule)
+
+    engine = Engine()
+    the_pass = schedule.install(engine, FakeMode(budget=0))
+    assert seen["registered"] == (schedule.NAME, the_pass, schedule.CONTRACT)
+    engine.compile()
+    engine.compile("inductor", {}, [(0, [zero3_compile.NAME])])
+    from deepspeed.compile.init_z3 import WARMUP
+    assert seen["schedules"] == [schedule.default_schedule(WARMUP), [(0, [zero3_compile.NAME, schedule.NAME])]]
