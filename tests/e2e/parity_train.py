@@ -66,6 +66,8 @@ def ds_config(spec):
         cfg["gradient_clipping"] = spec["clip"]
     if spec.get("offload") is not None:
         cfg["optimizer_state_offload"] = spec["offload"]
+    if spec.get("compile"):
+        cfg["compile"] = {"deepcompile": True}
     cfg.update(spec.get("extra_config", {}))
     return cfg
 
@@ -106,6 +108,40 @@ def abort_step(engine):
             "slots": handle._slots is not None}
 
 
+class CompileOps:
+    """Compile mode's runtime without DeepCompile (which needs CUDA): the ops, called through
+    ``torch.ops.ds_offload`` where the compiled graphs would call them: offloads and one empty_cache
+    at the head of forward, reloads in backward (a hook on the model's output), the copy-stream
+    sync at its end. ``reload`` picks how many sub-groups come back early (the planner's job on a GPU)."""
+
+    def __init__(self, engine, spec):
+        from deepspeed_offload.compile_passes import ops
+        from deepspeed_offload.compile_passes.mode import CompileMode
+        from deepspeed_offload.config import OffloadConfig
+        self.ops = ops
+        self.mode = CompileMode(engine, OffloadConfig(enabled=True, mode="compile", memory_budget_gb=0))
+        setattr(engine, "_deepspeed_offload", self.mode)
+        k = len(self.mode.priority) if spec["reload"] == "all" else spec["reload"]
+        self.reloads = self.mode.priority[:k]
+        self.mode.begin_phase()
+
+    def call(self, name, anchor, sub_group=None):
+        fn = getattr(torch.ops.ds_offload, name)
+        return fn(anchor) if sub_group is None else fn(anchor, self.ops.task(name, sub_group))
+
+    def forward_head(self, anchor):
+        for i in self.mode.priority:
+            self.call("offload_launch", anchor, i)
+        self.call("empty_cache", anchor)
+
+    def in_backward(self, anchor):
+        for i in self.reloads:
+            self.call("reload", anchor, i)
+
+    def backward_end(self, anchor):
+        self.call("copy_stream_sync", anchor)
+
+
 def checkpoint(engine, save):
     if save.get("sync_dir"):
         # DeepSpeed's own synchronous save of the very same state, for the test to compare against
@@ -129,7 +165,12 @@ def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
     torch.manual_seed(1234)
     hidden = spec.get("hidden", 32)
-    model = Net(hidden, spec.get("frozen", False), spec.get("late", False))
+    config = ds_config(spec)
+    if spec.get("zero_init"):
+        deepspeed.init_distributed()
+    # DeepCompile expects the model partitioned as it is built, the way large models are
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=spec.get("zero_init", False)):
+        model = Net(hidden, spec.get("frozen", False), spec.get("late", False))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if spec.get("two_groups"):
         groups = [{"params": [p for n, p in trainable if n.startswith("inp")]},
@@ -138,7 +179,10 @@ def main():
         groups = [{"params": [p for _, p in trainable]}]
     optimizer = optimizer_for(spec, groups)
     init = deepspeed_offload.initialize if spec.get("api", "offload") == "offload" else deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=optimizer, config=ds_config(spec))
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+    if spec.get("compile"):
+        engine.compile()
+    compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]
@@ -159,10 +203,19 @@ def main():
             y = torch.sin(x.float().sum(dim=1, keepdim=True)).to(dtype)
             if step < start:
                 continue  # resumed: the data of the steps already taken is drawn and dropped
-            loss = torch.nn.functional.mse_loss(engine(x, use_late=step >= 2), y)
+            if compile_ops is not None:
+                if step == spec["compile_ops"].get("recompile_at") and micro == 0:
+                    compile_ops.mode.begin_phase()
+                compile_ops.forward_head(x)
+            out = engine(x, use_late=step >= 2)
+            if compile_ops is not None:
+                out.register_hook(lambda grad, x=x: compile_ops.in_backward(x))
+            loss = torch.nn.functional.mse_loss(out, y)
             if step == spec.get("overflow_step", -1) and micro == 0:
                 loss = loss * float("inf")  # every rank overflows: the step must be skipped
             engine.backward(loss)
+            if compile_ops is not None:
+                compile_ops.backward_end(x)
             if step == spec.get("abort_at") and micro == gas - 1:
                 result_extra["abort"] = abort_step(engine)
                 continue
@@ -193,7 +246,8 @@ def main():
             refused = str(e)
         result["offload_states_refused"] = refused
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
-                            "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]])}
+                            "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]]),
+                            "counters": getattr(handle, "counters", None)}
     if engine.global_rank == 0:
         torch.save(result, spec["out"])
     deepspeed.comm.barrier()
