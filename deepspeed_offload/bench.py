@@ -16,6 +16,8 @@ Modes:
                   then our async save (time until save_checkpoint returns, iterations run during the
                   write, time until the write is done)
   compiled        DeepCompile (engine.compile()), states resident
+  compile_offload deepspeed-offload compile mode under DeepCompile, default budget (everything leaves at
+                  the head of forward, comes back in backward as the budget allows); experimental
   dc_offload_opt_states       DeepCompile with its own compile.offload_opt_states, default budget
   dc_offload_opt_states_full  the same, forced to offload everything (DS_DC_OFFLOAD_OPT_BUDGET_GB=0)
 
@@ -32,7 +34,7 @@ import sys
 import time
 
 MODES = ["bandwidth", "resident", "stream", "stream_prefetch", "offload_states", "zero_offload", "checkpoint",
-         "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
+         "compiled", "compile_offload", "dc_offload_opt_states", "dc_offload_opt_states_full"]
 # DeepCompile compiles, profiles and re-applies its passes over the first steps: warm up longer.
 COMPILED_WARMUP = 6
 GiB = 2**30
@@ -50,8 +52,10 @@ def ds_config(mode, args):
         cfg["optimizer_state_offload"] = {"enabled": True, "mode": "stream", "memory_budget_gb": 0,
                                           "sub_group_mb": args.sub_group_mb, "prefetch": mode == "stream_prefetch",
                                           "async_checkpoint": mode == "checkpoint"}
-    if mode == "compiled" or mode.startswith("dc_"):
+    if mode.startswith("compile") or mode.startswith("dc_"):
         cfg["compile"] = {"deepcompile": True, "offload_opt_states": mode.startswith("dc_offload_opt_states")}
+    if mode == "compile_offload":
+        cfg["optimizer_state_offload"] = {"enabled": True, "mode": "compile", "sub_group_mb": args.sub_group_mb}
     if mode == "zero_offload":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return cfg
@@ -126,6 +130,9 @@ def worker(mode, args):
             layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
         model = torch.nn.Sequential(*layers)
     nparams = sum(p.ds_numel for p in model.parameters())
+    if mode == "compile_offload":
+        from .compile_passes import EXPERIMENTAL_ENV
+        os.environ[EXPERIMENTAL_ENV] = "1"
     if mode == "dc_offload_opt_states_full":
         os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # DeepSpeed's own hook to force full offload
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -145,17 +152,19 @@ def worker(mode, args):
     rows = []
     for it in range(warmup + args.iters):
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         torch.cuda.synchronize()
         t_bwd = time.perf_counter()
+        peak_fwd_bwd = torch.cuda.max_memory_allocated() / GiB
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         rows.append({"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0,
-                     "peak_step_GiB": torch.cuda.max_memory_allocated() / GiB,
+                     "peak_step_GiB": torch.cuda.max_memory_allocated() / GiB, "peak_fwd_bwd_GiB": peak_fwd_bwd,
                      "between_GiB": torch.cuda.memory_allocated() / GiB})
     rows = rows[warmup:]
     # Pipelined: no synchronize between iterations, so copies may overlap the next forward.
@@ -178,7 +187,7 @@ def worker(mode, args):
         grad_bytes = max(int(sum(p.numel() for p in g)) for g in engine.optimizer.fp16_partitioned_groups) * 4
         out.update(sub_groups=len(handle.order), slot_GiB=handle.slot_bytes / GiB,
                    peak_bound_GiB=out["between_GiB"] + (2 * handle.slot_bytes + grad_bytes) / GiB,
-                   last_step=stats)
+                   last_step=stats, counters=getattr(handle, "counters", None))
     return out
 
 
