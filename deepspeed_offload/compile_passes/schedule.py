@@ -131,6 +131,20 @@ class OffloadPass:
                 self.held += self.mode.sub_group_bytes(i)
 
 
+def _evicting_first(launch, mode):
+    """DeepCompile starts a compile phase at the head of a step's forward and profiles the first
+    graph before our pass runs on it: write everything back to the host first, so that profile too
+    is taken at the floor."""
+    from deepspeed.compile import backend
+
+    def launch_compile_passes(global_steps, *args, **kwargs):
+        if backend.remaining_schedule and backend.remaining_schedule[0][0] == global_steps:
+            mode.drain()
+        return launch(global_steps, *args, **kwargs)
+
+    return launch_compile_passes
+
+
 def install(engine, mode):
     """Register the pass and make ``engine.compile()`` run the schedule with it."""
     from deepspeed.compile.init_z3 import WARMUP
@@ -144,7 +158,11 @@ def install(engine, mode):
             args[2] = arrange(args[2], WARMUP)
         else:
             kwargs["schedule"] = arrange(kwargs.get("schedule"), WARMUP)
-        return compile_fn(*args, **kwargs)
+        result = compile_fn(*args, **kwargs)
+        launch = getattr(engine, "launch_compile_passes", None)
+        if launch is not None:
+            engine.launch_compile_passes = _evicting_first(launch, mode)
+        return result
 
     engine.compile = compile
     return the_pass

@@ -268,11 +268,21 @@ def test_install_registers_the_pass_and_arranges_engine_compile():
 
         def compile(self, backend="inductor", compile_kwargs={}, schedule=None, compiled_autograd_enabled=False):
             seen.setdefault("schedules", []).append(schedule)
+            self.launch_compile_passes = lambda steps: seen.setdefault("launched", []).append(steps)
 
     engine = Engine()
-    the_pass = schedule.install(engine, FakeMode(budget=0))
+    mode = FakeMode(budget=0)
+    mode.drains = 0
+    mode.drain = lambda: setattr(mode, "drains", mode.drains + 1)
+    the_pass = schedule.install(engine, mode)
     assert seen["registered"] == (schedule.NAME, the_pass, schedule.CONTRACT)
     engine.compile()
     engine.compile("inductor", {}, [(0, [zero3_compile.NAME])])
     from deepspeed.compile.init_z3 import WARMUP
     assert seen["schedules"] == [schedule.default_schedule(WARMUP), [(0, [zero3_compile.NAME, schedule.NAME])]]
+    # a step that starts a compile phase writes everything back before DeepCompile profiles
+    from deepspeed.compile import backend
+    backend.init_schedule([(0, []), (5, [])])
+    engine.launch_compile_passes(0)
+    engine.launch_compile_passes(3)
+    assert mode.drains == 1 and seen["launched"] == [0, 3]
