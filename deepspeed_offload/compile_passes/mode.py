@@ -50,6 +50,7 @@ class CompileMode(StreamMode):
         # early are therefore the last of the order, and they are written back in the same order
         # so that the next reload of each finds its own write-back done first.
         self.priority = list(reversed(self.order))
+        self._planner_budget = self._agreed_budget()
         self._empty_cache_armed = False
         ops.register_ops()
         ops.bind(self)
@@ -60,10 +61,23 @@ class CompileMode(StreamMode):
         return 0  # capacity-first: everything leaves the device at the head of forward
 
     def planner_budget_bytes(self) -> int:
-        if self.cfg.memory_budget_gb is not None:
-            return int(self.cfg.memory_budget_gb * 2**30)
+        return self._planner_budget
+
+    def _agreed_budget(self) -> int:
+        """The smallest budget of all ranks: every rank must place the same reload nodes, since
+        DeepCompile's profiler runs a collective per node."""
+        import torch
+        import deepspeed.comm as dist
         acc = self.streams.acc
-        return int(acc.total_memory() * (1 - MARGIN)) if self.streams.async_ok else 0
+        if self.cfg.memory_budget_gb is not None:
+            budget = int(self.cfg.memory_budget_gb * 2**30)
+        else:
+            budget = int(acc.total_memory() * (1 - MARGIN)) if self.streams.async_ok else 0
+        if dist.is_initialized():
+            t = torch.tensor([budget], dtype=torch.int64, device=acc.current_device_name())
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.engine.data_parallel_group)
+            budget = int(t.item())
+        return budget
 
     def sub_group_bytes(self, i) -> int:
         return sum(self.store.region(i, dt).nbytes for dt in self.store.region_numel(i))
@@ -71,7 +85,10 @@ class CompileMode(StreamMode):
     def begin_phase(self):
         """Called by the pass on the first forward graph of a compile phase, before it is profiled:
         every sub-group back on the host (so the profile is the floor), and one empty_cache armed."""
-        self.drain()
+        # DeepCompile calls passes from inside AOT's fake mode; these are real copies of real tensors.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            self.drain()
         self._preloaded.clear()
         self._empty_cache_armed = True
         self.counters["phases"] += 1

@@ -14,8 +14,10 @@ has something to route on. The work itself is done by the attached mode (``bind`
 
 Nothing consumes the ops' outputs (they have none), so two dead-code eliminations would drop them:
 FX's, which spares what is in ``_side_effectful_functions``, and inductor's, which spares ops with
-a registered effect. The ORDERED effect also threads a token through them, so inductor keeps them
-in program order: a reload must never move before the node the planner put it after.
+a registered effect. Where the ops are traced (dynamo, AOT), the ORDERED effect threads a token
+through them, which keeps them in program order. The pass inserts them into graphs after AOT, where
+no token exists: there, each reload takes the output of the node it must follow as its anchor, a
+data dependency that no reordering can cross.
 
 ``ds_offload`` is ours alone (DeepSpeed's C++ extension owns ``dc``), so the library is a DEF;
 ``register_ops`` is idempotent within a process.

@@ -17,6 +17,8 @@ order backward runs them:
 
 from typing import List, Tuple
 
+import torch
+
 from deepspeed.compile.passes import (offload_activation, offload_adam_states, offload_parameters, prefetch,
                                       selective_gather, zero3_compile)
 from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
@@ -56,7 +58,6 @@ def arrange(schedule, warmup: int):
 
 
 def _anchor(graph):
-    import torch
     for node in graph.nodes:
         if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
             return node
@@ -78,18 +79,23 @@ class OffloadPass:
     def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
                  bwd):
         graph = gm.graph
+        known = [g for g, _ in graph_order]
         if not bwd:
-            if graph_id != graph_order[0][0]:
-                return None
-            self.mode.begin_phase()
+            if graph_id in known[1:]:
+                return None  # a later forward graph: the first one already wrote everything back
+            if graph_id == known[0]:
+                self.mode.begin_phase()
+            # else: a graph DeepCompile does not list (dynamo recompiled a frame): it may be the one
+            # that runs first, so it writes back too; where it is not, its ops find nothing to do.
             self._insert_at_head(graph)
         else:
             with_bwd = [g for g, needs in graph_order if needs]
-            if graph_id == with_bwd[-1]:  # the first backward graph to run
+            unlisted = graph_id not in with_bwd
+            if unlisted or graph_id == with_bwd[-1]:  # the first backward graph to run
                 self.held = 0
                 self.pending = [(i, self.mode.sub_group_bytes(i)) for i in self.mode.priority]
             self._insert_reloads(graph, profiling_results, graph_id)
-            if graph_id == with_bwd[0]:  # the last one
+            if unlisted or graph_id == with_bwd[0]:  # the last one
                 out = next(n for n in graph.nodes if n.op == "output")
                 with graph.inserting_before(out):
                     graph.call_function(ops.op("copy_stream_sync"), (_anchor(graph), ))
@@ -110,8 +116,14 @@ class OffloadPass:
     def _insert_reloads(self, graph, profiling_results, graph_id):
         if not self.pending:
             return
-        records = [(n, p) for n, p in _records(profiling_results[graph_id].bwd_mem)
-                   if n in {node.name for node in graph.nodes if node.op not in ("placeholder", "output")}]
+        profile = profiling_results[graph_id]
+        if not getattr(profile, "bwd_mem_complete", True) or not all(
+                getattr(r, "fwd_mem_complete", True) for r in profiling_results.values()):
+            logger.warning(f"[deepspeed-offload] DeepCompile's memory profile is incomplete at backward graph "
+                           f"{graph_id}: nothing reloaded there, the step streams it")
+            return
+        names = {node.name for node in graph.nodes if node.op not in ("placeholder", "output")}
+        records = [(n, p) for n, p in _records(profile.bwd_mem) if n in names]
         if not records:
             logger.warning(f"[deepspeed-offload] no memory profile for backward graph {graph_id}: "
                            "nothing reloaded there")
@@ -121,10 +133,13 @@ class OffloadPass:
         reserve = fwd_peak + 2 * self.mode.slot_bytes
         placements, self.pending = plan_reloads(records, self.pending, self.mode.planner_budget_bytes(), reserve,
                                                 self.held)
-        anchor = _anchor(graph)
+        fallback = _anchor(graph)
         by_name = {n.name: n for n in graph.nodes}
         for name, sub_groups in placements:
             at = by_name[name]
+            # The node's own output as the anchor: a data dependency, so no scheduler (inductor's
+            # memory-driven reordering included) can start the reload before that node.
+            anchor = at if isinstance(at.meta.get("val"), torch.Tensor) else fallback
             for i in sub_groups:
                 with graph.inserting_after(at):
                     at = graph.call_function(ops.op("reload"), (anchor, ops.task("reload", i)))

@@ -257,7 +257,7 @@ class StreamMode:
                      "set_local_hp_param"):
             setattr(opt, name, self._around(getattr(opt, name), writes=True))
         opt.load_state_dict = self._around(opt.load_state_dict, writes=True, after=self._all_to_host)
-        opt.step = self._around(opt.step, drain=False, on_error=self._abort_step)
+        opt.step = self._around(opt.step, drain=False, on_error=self._abort_step, after=self._after_step)
 
         orig_prologue = self.engine._backward_prologue
 
@@ -309,6 +309,17 @@ class StreamMode:
         self._in_buffers.clear()
         self._close_step()
         self.stats = None
+
+    def _after_step(self):
+        """A step DeepSpeed skipped (fp16 overflow, a non-finite gradient norm) never asked for what
+        backward loaded: give those buffers back, the host copy is still the current one."""
+        if self._in_step:
+            return
+        self._preloaded.clear()
+        if self._slots is not None:
+            self._loaded.clear()
+            self._slots = None
+            self._slot_free = [None, None]
 
     def _guard(self):
         """Before host state is overwritten: let an in-flight checkpoint write finish reading it."""

@@ -206,6 +206,7 @@ def _graph(names):
     prev = x
     for name in names:
         prev = g.call_function(torch.ops.aten.sin.default, (prev, ), name=name)
+        prev.meta["val"] = torch.zeros(2)
     g.output(prev)
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
@@ -286,3 +287,33 @@ def test_install_registers_the_pass_and_arranges_engine_compile():
     engine.launch_compile_passes(0)
     engine.launch_compile_passes(3)
     assert mode.drains == 1 and seen["launched"] == [0, 3]
+
+
+def test_reloads_depend_on_the_node_they_follow():
+    bwd = FakeMode(budget=85)
+    gm = schedule.OffloadPass(bwd)(_graph([n for n, _ in BWD]), 1, [(1, True)], _profiles(50, BWD), None, 0.0, None,
+                                   True)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == ops.op("reload"):
+            assert n.args[0].name in ("b2", "b3")  # not the graph input: a data dependency on its predecessor
+
+
+def test_a_recompiled_frame_still_gets_its_ops():
+    mode = FakeMode(budget=85)
+    the_pass = schedule.OffloadPass(mode)
+    order = [(1, True)]  # DeepCompile lists the frame's first graph only; 9 is its recompiled graph
+    fwd = the_pass(_graph(["f0"]), 9, order, {9: _profiles(50, BWD)[1], 1: _profiles(50, BWD)[1]}, None, 0.0, None,
+                   False)
+    assert _targets(fwd).count(("empty_cache", None)) == 1 and len(_targets(fwd)) == 6
+    bwd = the_pass(_graph([n for n, _ in BWD]), 9, order, {9: _profiles(50, BWD)[1]}, None, 0.0, None, True)
+    assert _targets(bwd)[-1] == ("copy_stream_sync", None) and ("reload", 3) in _targets(bwd)
+
+
+def test_an_incomplete_profile_reloads_nothing():
+    mode = FakeMode(budget=10**9)
+    the_pass = schedule.OffloadPass(mode)
+    profiles = _profiles(50, BWD)
+    profiles[1].bwd_mem_complete = False
+    bwd = the_pass(_graph([n for n, _ in BWD]), 1, [(1, True)], profiles, None, 0.0, None, True)
+    assert not [t for t in _targets(bwd) if isinstance(t, tuple) and t[0] == "reload"]
+    assert len(the_pass.pending) == 4 and _targets(bwd)[-1] == ("copy_stream_sync", None)
