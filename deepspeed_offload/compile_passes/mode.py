@@ -95,9 +95,16 @@ class CompileMode(StreamMode):
 
     # ------------------------------------------------------------------ what the ops call
 
+    def _known(self, i):
+        if i not in self._position:
+            raise RuntimeError(f"torch.ops.ds_offload names sub-group {i}, which this engine does not offload "
+                               f"(it has {len(self.order)}): the graph was compiled for another model or "
+                               "sub_group_size; clear the inductor cache (TORCHINDUCTOR_CACHE_DIR) and recompile")
+
     def op_offload_launch(self, i):
         if self.is_profiling():
             return
+        self._known(i)
         moved = self.offload(i)
         if moved:
             self.counters["launches"] += 1
@@ -106,6 +113,7 @@ class CompileMode(StreamMode):
     def op_reload(self, i):
         if self.is_profiling() or not self.engine.is_gradient_accumulation_boundary():
             return
+        self._known(i)
         moved = self.preload(i)
         if moved:
             self.counters["reloads"] += 1

@@ -8,9 +8,12 @@
     copy_stream_sync(Tensor anchor) -> ()          end of the last backward graph
 
 Why ops and not Python closures in the graph: inductor can only compile, cache and order what has
-a schema and a Meta kernel. Live tensors never cross the op boundary: ``idx`` indexes ``TASKS``
-(which sub-group), and ``anchor`` is any tensor input of the graph, there only so the dispatcher
-has something to route on. The work itself is done by the attached mode (``bind``).
+a schema and a Meta kernel. Live tensors never cross the op boundary: ``idx`` indexes the attached
+mode's table of offloaded sub-groups (the ZeRO-3 sub-group number), and ``anchor`` is a tensor
+of the graph, there so the dispatcher has something to route on (and, for reloads, to order them).
+The work itself is done by the attached mode (``bind``). The index is the sub-group's own number,
+not a position in a per-process list, because inductor and AOT autograd cache compiled graphs
+across processes: a graph loaded from that cache must still name the same sub-group.
 
 Nothing consumes the ops' outputs (they have none), so two dead-code eliminations would drop them:
 FX's, which spares what is in ``_side_effectful_functions``, and inductor's, which spares ops with
@@ -23,7 +26,7 @@ data dependency that no reordering can cross.
 ``register_ops`` is idempotent within a process.
 """
 
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -37,17 +40,15 @@ _SPECS = [
     ("copy_stream_sync", "copy_stream_sync(Tensor anchor) -> ()", "op_copy_stream_sync"),
 ]
 
-TASKS: List[Tuple[str, int]] = []  # idx -> (op name, sub-group)
 _runtime = None  # the attached compile mode; the ops call into it
 _lib: Optional[torch.library.Library] = None
 
 
 def task(op_name: str, sub_group: int) -> int:
-    """The registry index for ``op_name`` on ``sub_group`` (the same index every time it is asked)."""
-    key = (op_name, sub_group)
-    if key not in TASKS:
-        TASKS.append(key)
-    return TASKS.index(key)
+    """The ``idx`` argument of ``op_name`` acting on ``sub_group``."""
+    if op_name not in ("offload_launch", "reload"):
+        raise ValueError(f"torch.ops.{NAMESPACE}.{op_name} takes no index")
+    return int(sub_group)
 
 
 def bind(runtime):
@@ -66,7 +67,7 @@ def _call(method: str, idx: Optional[int]):
         raise RuntimeError(f"torch.ops.{NAMESPACE} ran with no deepspeed-offload compile mode attached: "
                            "the graph was compiled for an engine that is gone")
     fn = getattr(_runtime, method)
-    return fn() if idx is None else fn(TASKS[idx][1])
+    return fn() if idx is None else fn(idx)
 
 
 def _kernel(method: str, with_idx: bool):

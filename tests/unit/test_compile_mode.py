@@ -59,9 +59,12 @@ def test_registration_is_idempotent_side_effectful_and_ordered():
         torch.library.Library(ops.NAMESPACE, "DEF")
 
 
-def test_meta_kernels_and_task_registry():
-    a, b = ops.task("reload", 3), ops.task("reload", 5)
-    assert a != b and ops.task("reload", 3) == a and ops.TASKS[b] == ("reload", 5)
+def test_meta_kernels_and_task_index():
+    # the sub-group's own number: a graph loaded from inductor's cross-process cache means the same one
+    assert ops.task("reload", 3) == 3 and ops.task("offload_launch", 5) == 5
+    with pytest.raises(ValueError):
+        ops.task("empty_cache", 0)
+    a = ops.task("reload", 3)
     x = torch.empty(4, device="meta")
     assert ops.op("reload")(x, a) is None and ops.op("empty_cache")(x) is None  # no runtime needed on meta
 
@@ -217,7 +220,7 @@ def _targets(gm):
         if n.op == "call_function":
             if n.target.name().startswith("ds_offload::"):
                 name = n.target.name().split("::")[1]
-                out.append((name, ops.TASKS[n.args[1]][1] if len(n.args) > 1 else None))
+                out.append((name, n.args[1] if len(n.args) > 1 else None))
             else:
                 out.append(n.name)
     return out
@@ -317,3 +320,37 @@ def test_an_incomplete_profile_reloads_nothing():
     bwd = the_pass(_graph([n for n, _ in BWD]), 1, [(1, True)], profiles, None, 0.0, None, True)
     assert not [t for t in _targets(bwd) if isinstance(t, tuple) and t[0] == "reload"]
     assert len(the_pass.pending) == 4 and _targets(bwd)[-1] == ("copy_stream_sync", None)
+
+
+def test_pass_on_real_aot_graphs_compiled_by_inductor(recorder):
+    """The way DeepCompile uses inductor: AOT partitions the model into forward and backward
+    graphs, the pass edits them after AOT, inductor compiles the edited graphs. The ops must survive
+    and run in the order the pass placed them."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    mode = FakeMode(budget=85)
+    the_pass = schedule.OffloadPass(mode)
+    profiles = {1: types.SimpleNamespace(fwd_mem=[], bwd_mem=[])}
+    placed = {}
+
+    def inner(gm, example_inputs, **kwargs):
+        bwd = kwargs.get("is_backward", False)
+        nodes = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        if bwd:  # backward frees as it goes: room for reloads opens up towards its end
+            profiles[1].bwd_mem = [(n, 0, 0, 100 - 60 * k // len(nodes)) for k, n in enumerate(nodes)]
+        else:
+            profiles[1].fwd_mem = [(n, 0, 0, 50) for n in nodes]
+        the_pass(gm, 1, [(1, True)], profiles, None, 0.0, None, bwd)
+        placed["bwd" if bwd else "fwd"] = _targets(gm)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4), torch.nn.Tanh())
+    compiled = torch.compile(model, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=inner))
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit would skip the pass
+        compiled(torch.randn(2, 8)).sum().backward()
+
+    reloads = [t for t in placed["bwd"] if isinstance(t, tuple) and t[0] == "reload"]
+    assert 0 < len(reloads) < 4, placed["bwd"]  # the budget lets some come back early, not all
+    assert recorder.calls == [("offload_launch", i) for i in mode.priority] + [("empty_cache", None)] + \
+        reloads + [("copy_stream_sync", None)]
