@@ -224,25 +224,32 @@ def checkpoint_times(engine, handle, x, args):
             "async_blocking_over_sync": blocking_s / sync_s, "checkpoint_GiB": size / GiB}
 
 
+def baseline(mode):
+    """What a mode is compared with: compiled modes with DeepCompile without offload, the rest with
+    resident ZeRO-3."""
+    return "compiled" if mode.startswith("compile_") or mode.startswith("dc_") else "resident"
+
+
 def table(results, floor_s):
-    res = results.get("resident", {})
-    lines = ["| mode | iteration s | step s | pipelined iteration s | peak in step GiB | between steps GiB | "
-             "over resident s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | iteration s | step s | pipelined iteration s | peak fwd+bwd GiB | peak in step GiB | "
+             "between steps GiB | over baseline s |", "|---|---|---|---|---|---|---|---|"]
     for mode in MODES[1:]:
         r = results.get(mode)
         if not r or "error" in r:
             if r:
-                lines.append(f"| {mode} | failed: {r['error'][:80]} | | | | | |")
+                lines.append(f"| {mode} | failed: {r['error'][-80:]} | | | | | | |")
             continue
-        over = f"{r['iter_s'] - res['iter_s']:+.3f}" if "iter_s" in res else ""
+        base = results.get(baseline(mode), {})
+        over = f"{r['iter_s'] - base['iter_s']:+.3f} ({baseline(mode)})" if "iter_s" in base and base is not r else ""
         lines.append(f"| {mode} | {r['iter_s']:.3f} | {r['step_s']:.3f} | {r['pipelined_iter_s']:.3f} | "
-                     f"{r['peak_step_GiB']:.2f} | {r['between_GiB']:.2f} | {over} |")
+                     f"{r.get('peak_fwd_bwd_GiB', float('nan')):.2f} | {r['peak_step_GiB']:.2f} | "
+                     f"{r['between_GiB']:.2f} | {over} |")
     return "\n".join(lines)
 
 
 def build_parser(ap=None):
     ap = ap or argparse.ArgumentParser(prog="deepspeed-offload bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -297,8 +304,8 @@ def run(args, argv):
         summary["torch"] = torch.__version__
     except Exception:
         pass
-    for mode in ("stream", "stream_prefetch"):
-        r, res = results.get(mode, {}), results.get("resident", {})
+    for mode in ("stream", "stream_prefetch", "compile_offload", "dc_offload_opt_states_full"):
+        r, res = results.get(mode, {}), results.get(baseline(mode), {})
         if "iter_s" in r and "iter_s" in res and floor_s:
             r["overhead_s"] = r["iter_s"] - res["iter_s"]
             r["overhead_over_floor"] = r["overhead_s"] / floor_s
@@ -308,12 +315,13 @@ def run(args, argv):
     print(table(results, floor_s))
     if floor_s:
         print(f"copy floor (state bytes / bidirectional bandwidth): {floor_s:.3f} s")
-    for mode in ("stream", "stream_prefetch"):
+    for mode in ("stream", "stream_prefetch", "compile_offload", "dc_offload_opt_states_full"):
         r = results.get(mode, {})
         if "overhead_s" in r:
-            print(f"{mode}: over resident {r['overhead_s']:.3f} s = {r['overhead_over_floor']:.2f}x floor; "
+            print(f"{mode}: over {baseline(mode)} {r['overhead_s']:.3f} s = {r['overhead_over_floor']:.2f}x floor; "
                   f"step {r['step_s']:.3f} s = {r['step_over_floor']:.2f}x floor; peak {r['peak_step_GiB']:.2f} "
-                  f"GiB (bound {r['peak_bound_GiB']:.2f}); last step {r.get('last_step')}")
+                  f"GiB (bound {r.get('peak_bound_GiB', float('nan')):.2f}); last step {r.get('last_step')}; "
+                  f"counters {r.get('counters')}")
     ck = results.get("checkpoint", {})
     if "sync_save_s" in ck:
         print(f"checkpoint ({ck['checkpoint_GiB']:.1f} GiB): DeepSpeed synchronous save {ck['sync_save_s']:.2f} s; "

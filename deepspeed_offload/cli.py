@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import build_parser as bench_parser
     bench = sub.add_parser("bench", help="side-by-side benchmark against upstream DeepSpeed (needs a GPU)",
                            description="Run resident ZeRO-3, stream mode (with and without prefetch), "
-                           "offload_states, ZeRO-Offload, an async checkpoint, DeepCompile with and without its own "
-                           "offload_opt_states, and a copy-bandwidth probe, each in its own process, on DESIGN.md's "
+                           "offload_states, ZeRO-Offload, an async checkpoint, DeepCompile without offload, with our "
+                           "compile mode and with its own offload_opt_states, and a copy-bandwidth probe, each in its own process, on DESIGN.md's "
                            "1.07B model by default; write JSON and a PNG chart.")
     bench_parser(bench)
     bench.set_defaults(func=cmd_bench)
