@@ -132,6 +132,3 @@ class CompileMode(StreamMode):
         st = self.streams
         st.wait(st.compute(), self.preloaded_event())
         self.counters["syncs"] += 1
-
-    def detach_ops(self):
-        ops.unbind(self)

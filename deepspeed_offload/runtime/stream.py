@@ -446,6 +446,7 @@ class StreamMode:
         The buffers return to the allocator once the copy is done (record_stream), nobody waits."""
         if i not in self._dirty:
             return 0
+        self._guard()  # an async checkpoint may still be reading the host copy this overwrites
         bufs, updated = self._dirty.pop(i)
         st = self.streams
         with st.on(st.d2h):
