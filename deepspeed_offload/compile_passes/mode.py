@@ -101,23 +101,20 @@ class CompileMode(StreamMode):
                                f"(it has {len(self.order)}): the graph was compiled for another model or "
                                "sub_group_size; clear the inductor cache (TORCHINDUCTOR_CACHE_DIR) and recompile")
 
-    def op_offload_launch(self, i):
-        if self.is_profiling():
-            return
-        self._known(i)
-        moved = self.offload(i)
+    def _count(self, ops_key, bytes_key, moved):
         if moved:
-            self.counters["launches"] += 1
-            self.counters["bytes_offloaded"] += moved
+            self.counters[ops_key] += 1
+            self.counters[bytes_key] += moved
+
+    def op_offload_launch(self, i):
+        if not self.is_profiling():
+            self._known(i)
+            self._count("launches", "bytes_offloaded", self.offload(i))
 
     def op_reload(self, i):
-        if self.is_profiling() or not self.engine.is_gradient_accumulation_boundary():
-            return
-        self._known(i)
-        moved = self.preload(i)
-        if moved:
-            self.counters["reloads"] += 1
-            self.counters["bytes_reloaded"] += moved
+        if not self.is_profiling() and self.engine.is_gradient_accumulation_boundary():
+            self._known(i)
+            self._count("reloads", "bytes_reloaded", self.preload(i))
 
     def op_empty_cache(self):
         if self.is_profiling() or not self._empty_cache_armed:

@@ -460,9 +460,12 @@ class StreamMode:
         self._point_at_host(i)
         return sum(b.nbytes for b in bufs.values())
 
-    def _begin_step(self):
-        for i in list(self._dirty):  # no forward ran since the last step: its buffers are still the newest copy
+    def _offload_dirty(self):
+        for i in list(self._dirty):
             self.offload(i)
+
+    def _begin_step(self):
+        self._offload_dirty()  # no forward ran since the last step: those buffers are still the newest copy
         self._in_step = True
         if self.stats is None:
             self.stats = StepStats(timing=self.streams.async_ok)
@@ -559,8 +562,7 @@ class StreamMode:
     def drain(self):
         """Write back what the last step left on the device, and block until every write-back to the
         host store has landed."""
-        for i in list(self._dirty):
-            self.offload(i)
+        self._offload_dirty()
         if self._host_written is not None:
             self._host_written.synchronize()
 
