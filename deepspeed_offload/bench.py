@@ -17,7 +17,10 @@ Modes:
                   write, time until the write is done)
   compiled        DeepCompile (engine.compile()), states resident
   compile_offload deepspeed-offload compile mode under DeepCompile, default budget (everything leaves at
-                  the head of forward, comes back in backward as the budget allows); experimental
+                  the head of forward, comes back in backward as the budget allows)
+  compile_offload_budget  the same with memory_budget_gb = --budget-gb: what does not come back in
+                  backward within the budget streams through the step
+  compile_offload_full    the same with memory_budget_gb 0: nothing comes back early, the step streams all
   dc_offload_opt_states       DeepCompile with its own compile.offload_opt_states, default budget
   dc_offload_opt_states_full  the same, forced to offload everything (DS_DC_OFFLOAD_OPT_BUDGET_GB=0)
 
@@ -34,7 +37,11 @@ import sys
 import time
 
 MODES = ["bandwidth", "resident", "stream", "stream_prefetch", "offload_states", "zero_offload", "checkpoint",
-         "compiled", "compile_offload", "dc_offload_opt_states", "dc_offload_opt_states_full"]
+         "compiled", "compile_offload", "compile_offload_budget", "compile_offload_full", "dc_offload_opt_states",
+         "dc_offload_opt_states_full"]
+# The modes reported as overhead over their baseline, against the copy floor.
+OFFLOADING = ["stream", "stream_prefetch", "compile_offload", "compile_offload_budget", "compile_offload_full",
+              "dc_offload_opt_states", "dc_offload_opt_states_full"]
 # DeepCompile compiles, profiles and re-applies its passes over the first steps: warm up longer.
 COMPILED_WARMUP = 6
 GiB = 2**30
@@ -54,8 +61,10 @@ def ds_config(mode, args):
                                           "async_checkpoint": mode == "checkpoint"}
     if mode.startswith("compile") or mode.startswith("dc_"):
         cfg["compile"] = {"deepcompile": True, "offload_opt_states": mode.startswith("dc_offload_opt_states")}
-    if mode == "compile_offload":
-        cfg["optimizer_state_offload"] = {"enabled": True, "mode": "compile", "sub_group_mb": args.sub_group_mb}
+    if mode.startswith("compile_offload"):
+        budget = {"compile_offload_budget": args.budget_gb, "compile_offload_full": 0}.get(mode)
+        cfg["optimizer_state_offload"] = {"enabled": True, "mode": "compile", "sub_group_mb": args.sub_group_mb,
+                                          "memory_budget_gb": budget}
     if mode == "zero_offload":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return cfg
@@ -130,7 +139,7 @@ def worker(mode, args):
             layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
         model = torch.nn.Sequential(*layers)
     nparams = sum(p.ds_numel for p in model.parameters())
-    if mode == "compile_offload":
+    if mode.startswith("compile_offload"):
         from .compile_passes import EXPERIMENTAL_ENV
         os.environ[EXPERIMENTAL_ENV] = "1"
     if mode == "dc_offload_opt_states_full":
@@ -254,12 +263,15 @@ def build_parser(ap=None):
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--sub-group-mb", type=int, default=256)
+    ap.add_argument("--budget-gb", type=float, default=16.0, help="memory_budget_gb of compile_offload_budget")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bw-gib", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--ckpt-dir", default="/tmp/ds_offload_bench_ckpt")
     ap.add_argument("--out", default="bench.json")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the modes --out already holds results for (same arguments) and run the rest")
     ap.add_argument("--plot", default=None, help="PNG path for the chart")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap
@@ -282,40 +294,34 @@ def run(args, argv):
 
     from tqdm import tqdm
     results = {}
-    modes = args.modes.split(",")
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            done = json.load(f)
+        if {k: v for k, v in done["args"].items() if k not in ("modes", "resume")} != \
+                {k: v for k, v in vars(args).items() if k not in ("modes", "resume")}:
+            print(f"deepspeed-offload bench: {args.out} was written with other arguments; not resuming it",
+                  file=sys.stderr)
+            return 2
+        results = {m: r for m, r in done["results"].items() if "error" not in r}
+    modes = [m for m in args.modes.split(",") if m not in results]
     for mode in tqdm(modes, desc="modes"):
         cmd = [sys.executable, "-m", "deepspeed_offload.bench", "--worker", mode] + argv
+        t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             results[mode] = json.loads(line[-1][7:]) if line else {"error": (proc.stdout + proc.stderr)[-3000:]}
         except subprocess.TimeoutExpired:
             results[mode] = {"error": f"timed out after {args.timeout}s"}
+        results[mode]["wall_s"] = time.perf_counter() - t
         tqdm.write(f"{mode}: {json.dumps(results[mode])[:600]}")
-
-    bw = results.get("bandwidth", {})
-    state_bytes = next((r["params"] * 12 for r in results.values() if "params" in r), None)
-    floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
-    summary = {"floor_s": floor_s, "results": results,
-               "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
-    try:
-        import torch
-        summary["device"] = torch.cuda.get_device_name(0)
-        summary["torch"] = torch.__version__
-    except Exception:
-        pass
-    for mode in ("stream", "stream_prefetch", "compile_offload", "dc_offload_opt_states_full"):
-        r, res = results.get(mode, {}), results.get(baseline(mode), {})
-        if "iter_s" in r and "iter_s" in res and floor_s:
-            r["overhead_s"] = r["iter_s"] - res["iter_s"]
-            r["overhead_over_floor"] = r["overhead_s"] / floor_s
-            r["step_over_floor"] = r["step_s"] / floor_s
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+        summarize(results, args)  # after every mode: a run cut short keeps what it measured
+    summary = summarize(results, args)
+    floor_s = summary["floor_s"]
     print(table(results, floor_s))
     if floor_s:
         print(f"copy floor (state bytes / bidirectional bandwidth): {floor_s:.3f} s")
-    for mode in ("stream", "stream_prefetch", "compile_offload", "dc_offload_opt_states_full"):
+    for mode in OFFLOADING:
         r = results.get(mode, {})
         if "overhead_s" in r:
             print(f"{mode}: over {baseline(mode)} {r['overhead_s']:.3f} s = {r['overhead_over_floor']:.2f}x floor; "
@@ -330,6 +336,29 @@ def run(args, argv):
               f"{', '.join(f'{t:.3f}' for t in ck['iters_during_write_s'])} s")
     if args.plot:
         plot(summary, args.plot)
+
+
+def summarize(results, args):
+    """The JSON summary of ``results`` (with overheads against the copy floor), written to ``args.out``."""
+    bw = results.get("bandwidth", {})
+    state_bytes = next((r["params"] * 12 for r in results.values() if "params" in r), None)
+    floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
+    summary = {"floor_s": floor_s, "results": results, "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+    try:
+        import torch
+        summary["device"] = torch.cuda.get_device_name(0)
+        summary["torch"] = torch.__version__
+    except Exception:
+        pass
+    for mode in OFFLOADING:
+        r, res = results.get(mode, {}), results.get(baseline(mode), {})
+        if "iter_s" in r and "iter_s" in res and floor_s:
+            r["overhead_s"] = r["iter_s"] - res["iter_s"]
+            r["overhead_over_floor"] = r["overhead_s"] / floor_s
+            r["step_over_floor"] = r["step_s"] / floor_s
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
 
 
 def plot(summary, path):

@@ -1,29 +1,58 @@
 #!/usr/bin/env bash
 # GPU runner for the device machine (torch + CUDA there, no DeepSpeed/pydantic/hjson, no network).
-# Installs the wheels carried in .whl/ (made here by `bash ../shared/tools/device-wheels.sh`), then
-# runs what is asked, writing logs and results under $OUT:
-#   bash scripts/gpu.sh tests        GPU-marked tests (1 rank per GPU; 2-GPU cases skip on one GPU)
-#   bash scripts/gpu.sh bench [ARGS] deepspeed-offload bench on DESIGN.md's 1.07B model
-#   bash scripts/gpu.sh all          both
+# Installs the wheels carried in .whl/ (made here by `bash ../shared/tools/device-wheels.sh`) and
+# builds DeepSpeed's JIT ops once (FusedAdam, DeepCompile), then runs what is asked, writing logs and
+# results under $OUT:
+#   bash scripts/gpu.sh tests              GPU-marked tests and the unit tests, 4 at a time (1 rank per
+#                                          GPU; 2-GPU cases skip on one GPU)
+#   bash scripts/gpu.sh bench [ARGS]       deepspeed-offload bench on DESIGN.md's 1.07B model
+#   bash scripts/gpu.sh bench-bg [ARGS]    the same, started in its own session (it outlives this call:
+#                                          a full bench runs longer than one device call may)
+#   bash scripts/gpu.sh bench-wait SECS    wait up to SECS for it, then copy its results to $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+BG=/tmp/ds_offload_bench  # outside the repo: survives between calls on a machine still held
+mkdir -p "$OUT" "$BG"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# One build dir for every process here, outside the repo (the tests' own private dir is for CI).
+export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())'
 
-what=${1:-all}
+build_ops() {  # before anything runs in parallel: no two processes race to build one op
+    local t=$SECONDS
+    python3 -c 'from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()' &
+    python3 -c 'from deepspeed.ops.op_builder import DeepCompileBuilder; DeepCompileBuilder().load()' &
+    wait
+    echo "JIT ops built in $((SECONDS - t)) s"
+}
+
+what=${1:-tests}
 shift || true
-rc=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    python3 -m pytest tests -q -rs -m "not e2e or gpu or gpu2 or anyaccel" -p no:cacheprovider --basetemp=/tmp/pytest \
-        2>&1 | tee "$OUT/tests.log" | tail -40
-    rc=${PIPESTATUS[0]}
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-    python3 -m deepspeed_offload.bench --out "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | tail -30
-fi
-exit $rc
+case $what in
+tests)
+    build_ops
+    python3 -m pytest tests -q -rs -n 4 -m "not e2e or gpu or gpu2 or anyaccel" -p no:cacheprovider \
+        --basetemp=/tmp/pytest --durations=15 2>&1 | tee "$OUT/tests.log" | tail -60
+    exit "${PIPESTATUS[0]}" ;;
+bench)
+    build_ops
+    python3 -m deepspeed_offload.bench --out "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+bench-bg)
+    build_ops
+    rm -f "$BG"/*
+    setsid nohup python3 -m deepspeed_offload.bench --out "$BG/bench.json" --plot "$BG/bench.png" "$@" \
+        >"$BG/bench.log" 2>&1 < /dev/null &
+    echo "bench started in the background, pid $!" ;;
+bench-wait)
+    end=$((SECONDS + ${1:-560}))
+    while pgrep -f "deepspeed_offload.bench --out $BG" >/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+    pgrep -f "deepspeed_offload.bench --out $BG" >/dev/null && echo "bench still running" || echo "bench finished"
+    cp "$BG"/* "$OUT"/ 2>/dev/null
+    tail -40 "$BG/bench.log" ;;
+*)
+    echo "usage: bash scripts/gpu.sh tests|bench|bench-bg|bench-wait [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,56 @@
+"""The bench driver's bookkeeping, without a GPU: each mode's ds_config, and a run cut short resumed."""
+
+import json
+import subprocess
+
+import pytest
+
+from deepspeed_offload import bench
+from deepspeed_offload.config import OffloadConfig
+
+
+def test_every_mode_has_a_config_and_a_baseline():
+    args = bench.build_parser().parse_args([])
+    for mode in bench.MODES[1:]:
+        cfg = bench.ds_config(mode, args)
+        assert cfg["zero_optimization"]["stage"] == 3
+        block = cfg.get("optimizer_state_offload")
+        if block is not None:
+            OffloadConfig(**block)  # the keys and types our config accepts
+        assert bench.baseline(mode) in bench.MODES
+    budget = {m: bench.ds_config(m, args)["optimizer_state_offload"]["memory_budget_gb"]
+              for m in ("compile_offload", "compile_offload_budget", "compile_offload_full")}
+    assert budget == {"compile_offload": None, "compile_offload_budget": args.budget_gb, "compile_offload_full": 0}
+
+
+@pytest.fixture
+def fake_workers(monkeypatch):
+    """Every worker 'measures' a fixed result; returns the modes launched."""
+    launched = []
+
+    def run(cmd, **kwargs):
+        mode = cmd[cmd.index("--worker") + 1]
+        launched.append(mode)
+        result = {"iter_s": 1.0, "step_s": 0.5, "pipelined_iter_s": 1.0, "peak_step_GiB": 1.0, "between_GiB": 1.0,
+                  "params": 10}
+        if mode == "stream":
+            return subprocess.CompletedProcess(cmd, 1, "boom", "")
+        return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(result), "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    return launched
+
+
+def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
+    out = str(tmp_path / "b.json")
+    bench.main(["--out", out, "--modes", "resident,stream"])
+    first = json.loads(open(out).read())
+    assert "iter_s" in first["results"]["resident"] and "error" in first["results"]["stream"]
+    assert fake_workers == ["resident", "stream"]
+    # the failed mode and the new one run again, the measured one is kept
+    bench.main(["--out", out, "--modes", "resident,stream,offload_states", "--resume"])
+    assert fake_workers == ["resident", "stream", "stream", "offload_states"]
+    assert set(json.loads(open(out).read())["results"]) == {"resident", "stream", "offload_states"}
+    # other arguments: not the same run, refused
+    assert bench.main(["--out", out, "--modes", "resident", "--iters", "3", "--resume"]) == 2
