@@ -3,8 +3,9 @@
 # Installs the wheels carried in .whl/ (made here by `bash ../shared/tools/device-wheels.sh`) and
 # builds DeepSpeed's JIT ops once (FusedAdam, DeepCompile), then runs what is asked, writing logs and
 # results under $OUT:
-#   bash scripts/gpu.sh tests              GPU-marked tests and the unit tests, 4 at a time (1 rank per
-#                                          GPU; 2-GPU cases skip on one GPU)
+#   bash scripts/gpu.sh tests [PYTEST ARGS] GPU-marked tests and the unit tests, 4 at a time (1 rank per
+#                                          GPU; 2-GPU cases skip on one GPU), or the tests ARGS name
+#   bash scripts/gpu.sh worker MODE [ARGS] one bench mode in the foreground, its whole log in $OUT
 #   bash scripts/gpu.sh bench [ARGS]       deepspeed-offload bench on DESIGN.md's 1.07B model
 #   bash scripts/gpu.sh bench-bg [ARGS]    the same, started in its own session (it outlives this call:
 #                                          a full bench runs longer than one device call may)
@@ -35,9 +36,15 @@ shift || true
 case $what in
 tests)
     build_ops
-    python3 -m pytest tests -q -rs -n 4 -m "not e2e or gpu or gpu2 or anyaccel" -p no:cacheprovider \
-        --basetemp=/tmp/pytest --durations=15 2>&1 | tee "$OUT/tests.log" | tail -60
+    [ $# -gt 0 ] || set -- tests -n 4 -m "not e2e or gpu or gpu2 or anyaccel"
+    python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pytest --durations=15 "$@" 2>&1 \
+        | tee -a "$OUT/tests.log" | tail -60
     exit "${PIPESTATUS[0]}" ;;
+worker)
+    build_ops
+    mode=$1; shift
+    python3 -m deepspeed_offload.bench --worker "$mode" "$@" >"$OUT/worker-$mode.log" 2>&1
+    echo "worker $mode: rc $?"; grep -a "RESULT\|Error\|error" "$OUT/worker-$mode.log" | tail -8 ;;
 bench)
     build_ops
     python3 -m deepspeed_offload.bench --out "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
@@ -54,5 +61,5 @@ bench-wait)
     cp "$BG"/* "$OUT"/ 2>/dev/null
     tail -40 "$BG/bench.log" ;;
 *)
-    echo "usage: bash scripts/gpu.sh tests|bench|bench-bg|bench-wait [ARGS]" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu.sh tests|worker|bench|bench-bg|bench-wait [ARGS]" >&2; exit 2 ;;
 esac
