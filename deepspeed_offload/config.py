@@ -211,10 +211,6 @@ def validate(ds_config: Dict[str, Any], strict_when_disabled: bool = False) -> O
         ok, why = _compile_supported()
         if not ok:
             raise ConfigError(f"{BLOCK}.mode", f"compile mode is not possible here: {why}; use mode 'stream'")
-        from .compile_passes import available
-        ok, why = available()
-        if not ok:
-            raise ConfigError(f"{BLOCK}.mode", why)
 
     new_config = dict(ds_config)
     user_sgs = _get(ds_config, "zero_optimization.sub_group_size")

@@ -5,22 +5,10 @@ sync), ``planner`` (where backward reloads fit the memory budget, capacity-first
 (our pass and how ``engine.compile()`` comes to run it) and ``mode`` (the runtime the ops call:
 stream mode's host store and streamed step, plus early reloads and late write-backs).
 
-Compile mode stays behind ``DS_OFFLOAD_EXPERIMENTAL_COMPILE=1`` until it has passed its GPU
-end-to-end parity run and benchmark (DeepCompile needs CUDA, so CI runs only its CPU parts):
-without it, validation rejects compile mode with a clear error before an engine exists.
+DeepCompile needs CUDA, so CI runs only the CPU parts (the ops through inductor, the planner, the
+pass on real AOT graphs, the runtime bit for bit on two CPU ranks); tests/e2e/test_compile_parity.py
+runs the whole of it under DeepCompile on a GPU.
 """
-
-import os
-from typing import Tuple
-
-EXPERIMENTAL_ENV = "DS_OFFLOAD_EXPERIMENTAL_COMPILE"
-
-
-def available() -> Tuple[bool, str]:
-    if os.environ.get(EXPERIMENTAL_ENV) == "1":
-        return True, ""
-    return False, ("compile mode is built but not yet validated on a GPU in this release: use mode 'stream' "
-                   f"(or turn compile.deepcompile off), or set {EXPERIMENTAL_ENV}=1 to try it")
 
 
 def attach_compile(engine, offload_config):

@@ -187,16 +187,10 @@ def test_help(capsys, sub):
     assert "usage: deepspeed-offload" in capsys.readouterr().out
 
 
-def test_compile_mode_is_behind_the_experimental_switch(monkeypatch):
-    from deepspeed_offload.compile_passes import EXPERIMENTAL_ENV
+def test_compile_mode_where_deepcompile_can_run(monkeypatch):
     monkeypatch.setattr(cfgmod, "_compile_supported", lambda: (True, ""))
-    monkeypatch.delenv(EXPERIMENTAL_ENV, raising=False)
-    with pytest.raises(ConfigError, match=f"not yet validated on a GPU.*{EXPERIMENTAL_ENV}=1") as err:
-        cfgmod.validate(COMPILE)
-    assert err.value.path == "optimizer_state_offload.mode"
-    monkeypatch.setenv(EXPERIMENTAL_ENV, "1")
     plan = cfgmod.validate(COMPILE)
     assert plan.mode == "compile"
-    # the switch does not lift any of the real rejections
+    # and on such a machine the real rejections still hold
     with pytest.raises(ConfigError, match="compile.offload_opt_states"):
         cfgmod.validate(with_(COMPILE, compile__offload_opt_states=True))
