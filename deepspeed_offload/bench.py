@@ -139,9 +139,6 @@ def worker(mode, args):
             layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
         model = torch.nn.Sequential(*layers)
     nparams = sum(p.ds_numel for p in model.parameters())
-    if mode.startswith("compile_offload"):
-        from .compile_passes import EXPERIMENTAL_ENV
-        os.environ[EXPERIMENTAL_ENV] = "1"
     if mode == "dc_offload_opt_states_full":
         os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # DeepSpeed's own hook to force full offload
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -246,7 +243,8 @@ def table(results, floor_s):
         r = results.get(mode)
         if not r or "error" in r:
             if r:
-                lines.append(f"| {mode} | failed: {r['error'][-80:]} | | | | | | |")
+                last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
+                lines.append(f"| {mode} | failed: {last[0][-100:].replace('|', '/')} | | | | | | |")
             continue
         base = results.get(baseline(mode), {})
         over = f"{r['iter_s'] - base['iter_s']:+.3f} ({baseline(mode)})" if "iter_s" in base and base is not r else ""
