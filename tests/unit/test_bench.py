@@ -54,3 +54,18 @@ def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
     assert set(json.loads(open(out).read())["results"]) == {"resident", "stream", "offload_states"}
     # other arguments: not the same run, refused
     assert bench.main(["--out", out, "--modes", "resident", "--iters", "3", "--resume"]) == 2
+
+
+@pytest.mark.parametrize("model", ["mlp", "sequential"])
+def test_both_models_are_design_mlp(model):
+    """The same parameters and the same function, whichever way the layers are held."""
+    import torch
+    args = bench.build_parser().parse_args(["--model", model, "--layers", "3", "--hidden", "8"])
+    m = bench.build_model(args)
+    assert sum(p.numel() for p in m.parameters()) == 3 * (8 * 8 + 8)
+    ref = torch.nn.Sequential(*[mod for _ in range(3) for mod in (torch.nn.Linear(8, 8), torch.nn.ReLU())])
+    mine = [l for l in m.modules() if isinstance(l, torch.nn.Linear)]
+    for lin, src in zip([l for l in ref if isinstance(l, torch.nn.Linear)], mine, strict=True):
+        lin.load_state_dict(src.state_dict())
+    x = torch.randn(4, 8)
+    assert torch.equal(m(x), ref(x))
