@@ -99,14 +99,12 @@ class MLP(torch.nn.Module):
 
 def measure_bandwidth(gib=1):
     """GB/s each way with both directions busy, or None without a CUDA device."""
-    import torch
     if not torch.cuda.is_available():
         return None
     return bandwidth(argparse.Namespace(bw_gib=gib))["both_each_way_GBps"]
 
 
 def bandwidth(args):
-    import torch
     n = args.bw_gib * GiB // 4
     host_a = torch.empty(n, dtype=torch.float32, pin_memory=True)
     host_b = torch.empty(n, dtype=torch.float32, pin_memory=True)
@@ -148,7 +146,6 @@ def worker(mode, args):
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + MODES.index(mode)))
-    import torch
     if mode == "bandwidth":
         return bandwidth(args)
     import deepspeed
@@ -225,7 +222,6 @@ def checkpoint_times(engine, handle, x, args):
     """DeepSpeed's synchronous save against ours, on the same engine and state."""
     import shutil
 
-    import torch
 
     import deepspeed_offload
     root = args.ckpt_dir
@@ -307,7 +303,6 @@ def main(argv=None):
 
 
 def run(args, argv):
-    import torch
     if not args.worker and not torch.cuda.is_available():
         print("deepspeed-offload bench: needs a CUDA device (it compares GPU steps and GPU memory)", file=sys.stderr)
         return 2
@@ -335,8 +330,12 @@ def run(args, argv):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             results[mode] = json.loads(line[-1][7:]) if line else {"error": (proc.stdout + proc.stderr)[-3000:]}
-        except subprocess.TimeoutExpired:
+            log = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
             results[mode] = {"error": f"timed out after {args.timeout}s"}
+            log = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+        with open(f"{os.path.splitext(args.out)[0]}-{mode}.log", "w") as f:  # the whole story, for a failure
+            f.write(log)
         results[mode]["wall_s"] = time.perf_counter() - t
         tqdm.write(f"{mode}: {json.dumps(results[mode])[:600]}")
         summarize(results, args)  # after every mode: a run cut short keeps what it measured
@@ -369,7 +368,6 @@ def summarize(results, args):
     floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
     summary = {"floor_s": floor_s, "results": results, "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
     try:
-        import torch
         summary["device"] = torch.cuda.get_device_name(0)
         summary["torch"] = torch.__version__
     except Exception:

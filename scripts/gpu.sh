@@ -31,6 +31,11 @@ build_ops() {  # before anything runs in parallel: no two processes race to buil
     echo "JIT ops built in $((SECONDS - t)) s"
 }
 
+collect() {  # at most 8 files come back from a device call: the workers' logs travel as one archive
+    cp "$BG"/bench.json "$BG"/bench.png "$BG"/bench.log "$OUT"/ 2>/dev/null
+    (cd "$BG" && tar czf "$OUT/bench-logs.tgz" bench-*.log 2>/dev/null)
+}
+
 what=${1:-tests}
 shift || true
 case $what in
@@ -47,7 +52,9 @@ worker)
     echo "worker $mode: rc $?"; grep -a "RESULT\|Error\|error" "$OUT/worker-$mode.log" | tail -8 ;;
 bench)
     build_ops
-    python3 -m deepspeed_offload.bench --out "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    rm -f "$BG"/*
+    python3 -m deepspeed_offload.bench --out "$BG/bench.json" --plot "$BG/bench.png" "$@" 2>&1 | tee "$BG/bench.log" | tail -40
+    collect ;;
 bench-bg)
     build_ops
     rm -f "$BG"/*
@@ -58,7 +65,7 @@ bench-wait)
     end=$((SECONDS + ${1:-560}))
     while pgrep -f "deepspeed_offload.bench --out $BG" >/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
     pgrep -f "deepspeed_offload.bench --out $BG" >/dev/null && echo "bench still running" || echo "bench finished"
-    cp "$BG"/* "$OUT"/ 2>/dev/null
+    collect
     tail -40 "$BG/bench.log" ;;
 *)
     echo "usage: bash scripts/gpu.sh tests|worker|bench|bench-bg|bench-wait [ARGS]" >&2; exit 2 ;;

@@ -48,6 +48,7 @@ def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
     first = json.loads(open(out).read())
     assert "iter_s" in first["results"]["resident"] and "error" in first["results"]["stream"]
     assert fake_workers == ["resident", "stream"]
+    assert (tmp_path / "b-stream.log").read_text() == "boom"  # each worker's whole output is kept
     # the failed mode and the new one run again, the measured one is kept
     bench.main(["--out", out, "--modes", "resident,stream,offload_states", "--resume"])
     assert fake_workers == ["resident", "stream", "stream", "offload_states"]
