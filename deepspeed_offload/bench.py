@@ -327,13 +327,13 @@ def run(args, argv):
         cmd = [sys.executable, "-m", "deepspeed_offload.bench", "--worker", mode] + argv
         t = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            results[mode] = json.loads(line[-1][7:]) if line else {"error": (proc.stdout + proc.stderr)[-3000:]}
-            log = proc.stdout + proc.stderr
+            log = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 timeout=args.timeout).stdout
+            line = [l for l in log.splitlines() if l.startswith("RESULT ")]
+            results[mode] = json.loads(line[-1][7:]) if line else {"error": log[-3000:]}
         except subprocess.TimeoutExpired as e:
             results[mode] = {"error": f"timed out after {args.timeout}s"}
-            log = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+            log = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         with open(f"{os.path.splitext(args.out)[0]}-{mode}.log", "w") as f:  # the whole story, for a failure
             f.write(log)
         results[mode]["wall_s"] = time.perf_counter() - t

@@ -44,13 +44,6 @@ _runtime = None  # the attached compile mode; the ops call into it
 _lib: Optional[torch.library.Library] = None
 
 
-def task(op_name: str, sub_group: int) -> int:
-    """The ``idx`` argument of ``op_name`` acting on ``sub_group``."""
-    if op_name not in ("offload_launch", "reload"):
-        raise ValueError(f"torch.ops.{NAMESPACE}.{op_name} takes no index")
-    return int(sub_group)
-
-
 def bind(runtime):
     global _runtime
     _runtime = runtime

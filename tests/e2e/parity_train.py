@@ -115,10 +115,8 @@ class CompileOps:
     sync at its end. ``reload`` picks how many sub-groups come back early (the planner's job on a GPU)."""
 
     def __init__(self, engine, spec):
-        from deepspeed_offload.compile_passes import ops
         from deepspeed_offload.compile_passes.mode import CompileMode
         from deepspeed_offload.config import OffloadConfig
-        self.ops = ops
         self.mode = CompileMode(engine, OffloadConfig(enabled=True, mode="compile", memory_budget_gb=0))
         setattr(engine, "_deepspeed_offload", self.mode)
         k = len(self.mode.priority) if spec["reload"] == "all" else spec["reload"]
@@ -127,7 +125,7 @@ class CompileOps:
 
     def call(self, name, anchor, sub_group=None):
         fn = getattr(torch.ops.ds_offload, name)
-        return fn(anchor) if sub_group is None else fn(anchor, self.ops.task(name, sub_group))
+        return fn(anchor) if sub_group is None else fn(anchor, sub_group)
 
     def forward_head(self, anchor):
         for i in self.mode.priority:

@@ -106,7 +106,7 @@ COMPILE_OPS_CASES = {
 def test_compile_mode_runtime_parity(tmp_path, name):
     """Compile mode's runtime (reload into own buffers, update there, write back at the next forward's
     head), driven through torch.ops.ds_offload where the compiled graphs call it, is plain ZeRO-3 bit
-    for bit. DeepCompile itself needs CUDA: its graphs are exercised by the GPU test below."""
+    for bit. DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
     spec = dict(COMPILE_OPS_CASES[name], steps=6, api="deepspeed")
     plain = launch({k: v for k, v in spec.items() if k != "compile_ops"}, tmp_path, f"{name}-plain")
     ours = launch(spec, tmp_path, f"{name}-compile-ops")

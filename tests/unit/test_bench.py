@@ -34,8 +34,8 @@ def fake_workers(monkeypatch):
         result = {"iter_s": 1.0, "step_s": 0.5, "pipelined_iter_s": 1.0, "peak_step_GiB": 1.0, "between_GiB": 1.0,
                   "params": 10}
         if mode == "stream":
-            return subprocess.CompletedProcess(cmd, 1, "boom", "")
-        return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(result), "")
+            return subprocess.CompletedProcess(cmd, 1, "boom", None)
+        return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(result), None)
 
     monkeypatch.setattr(bench.subprocess, "run", run)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
