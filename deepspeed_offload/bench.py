@@ -384,30 +384,34 @@ def summarize(results, args):
 
 
 def plot(summary, path):
+    """Two panels, one row per mode (horizontal bars: thirteen mode names stay readable). The copy
+    floor is marked on each offloading mode's bar as its baseline's time plus the floor, since the
+    compiled modes start from DeepCompile's faster iteration, not from eager ZeRO-3's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     res = {m: r for m, r in summary["results"].items() if "iter_s" in r}
-    names = list(res)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    a1.bar(names, [res[m]["iter_s"] for m in names], color="tab:blue")
-    if summary.get("floor_s") and "resident" in res:
-        a1.axhline(res["resident"]["iter_s"] + summary["floor_s"], color="tab:red", ls="--",
-                   label="resident + copy floor")
-        a1.legend()
-    a1.set_ylabel("iteration time, s (median)")
-    a1.tick_params(axis="x", rotation=30)
-    xs = range(len(names))
-    a2.bar([x - 0.2 for x in xs], [res[m]["peak_step_GiB"] for m in names], width=0.4, label="peak in step")
-    a2.bar([x + 0.2 for x in xs], [res[m]["between_GiB"] for m in names], width=0.4, label="between steps")
-    a2.set_xticks(list(xs))
-    a2.set_xticklabels(names, rotation=30)
-    a2.set_ylabel("GPU memory allocated, GiB")
-    a2.legend()
+    names = list(res)[::-1]  # first mode at the top
+    ys = range(len(names))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(names) + 2.2), sharey=True)
+    a1.barh(list(ys), [res[m]["iter_s"] for m in names], color="tab:blue")
+    floor = summary.get("floor_s")
+    marks = [(y, res[baseline(m)]["iter_s"] + floor) for y, m in zip(ys, names)
+             if floor and m in OFFLOADING and baseline(m) in res]
+    if marks:
+        a1.scatter([x for _, x in marks], [y for y, _ in marks], marker="|", s=300, color="tab:red", zorder=3,
+                   label=f"baseline + copy floor ({floor:.3f} s)")
+        a1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+    a1.set_xlabel("iteration time, s (median)")
+    a1.set_yticks(list(ys))
+    a1.set_yticklabels(names)
+    a2.barh([y + 0.2 for y in ys], [res[m]["peak_step_GiB"] for m in names], height=0.4, label="peak in step")
+    a2.barh([y - 0.2 for y in ys], [res[m]["between_GiB"] for m in names], height=0.4, label="between steps")
+    a2.set_xlabel("GPU memory allocated, GiB")
+    a2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     fig.suptitle(f"{summary.get('device', '')}, {summary['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
 
 if __name__ == "__main__":
     main()

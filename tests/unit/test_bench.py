@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,21 @@ def test_both_models_are_design_mlp(model):
         lin.load_state_dict(src.state_dict())
     x = torch.randn(4, 8)
     assert torch.equal(m(x), ref(x))
+
+
+
+RUNS = sorted((Path(__file__).resolve().parents[2] / "docs").glob("bench-h200-*.json"))
+
+
+def test_a_committed_run_measured_every_mode():
+    """docs/benchmarks.md's headline: one run in which every bench mode produced figures."""
+    def complete(run):
+        res = run["results"]
+        return "h2d_GBps" in res.get("bandwidth", {}) and all("iter_s" in res.get(m, {}) for m in bench.MODES[1:])
+    assert any(complete(json.loads(p.read_text())) for p in RUNS), [p.name for p in RUNS]
+
+
+def test_the_chart_draws_a_committed_run(tmp_path):
+    run = json.loads(RUNS[-1].read_text())
+    bench.plot(run, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
