@@ -222,7 +222,6 @@ def checkpoint_times(engine, handle, x, args):
     """DeepSpeed's synchronous save against ours, on the same engine and state."""
     import shutil
 
-
     import deepspeed_offload
     root = args.ckpt_dir
     shutil.rmtree(root, ignore_errors=True)
@@ -412,6 +411,7 @@ def plot(summary, path):
     fig.suptitle(f"{summary.get('device', '')}, {summary['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
 
 if __name__ == "__main__":
     main()

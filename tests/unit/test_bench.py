@@ -2,10 +2,10 @@
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
+from bench_runs import RUNS
 from deepspeed_offload import bench
 from deepspeed_offload.config import OffloadConfig
 
@@ -74,8 +74,6 @@ def test_both_models_are_design_mlp(model):
 
 
 
-RUNS = sorted((Path(__file__).resolve().parents[2] / "docs").glob("bench-h200-*.json"))
-
 
 def test_a_committed_run_measured_every_mode():
     """docs/benchmarks.md's headline: one run in which every bench mode produced figures."""
@@ -85,7 +83,8 @@ def test_a_committed_run_measured_every_mode():
     assert any(complete(json.loads(p.read_text())) for p in RUNS), [p.name for p in RUNS]
 
 
-def test_the_chart_draws_a_committed_run(tmp_path):
-    run = json.loads(RUNS[-1].read_text())
-    bench.plot(run, tmp_path / "c.png")
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.name)
+def test_the_chart_draws_every_committed_run(tmp_path, path):
+    """Runs with failed modes (run 4) and with every mode (run 5), floor marks included."""
+    bench.plot(json.loads(path.read_text()), tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

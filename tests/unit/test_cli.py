@@ -1,14 +1,12 @@
 """``deepspeed-offload estimate`` against the committed H200 benchmark, and the CLI's edges."""
 
 import json
-from pathlib import Path
 
 import pytest
 
+from bench_runs import RUNS
 from deepspeed_offload import config as cfgmod
 from deepspeed_offload.cli import main as cli_main
-
-RUNS = sorted((Path(__file__).resolve().parents[2] / "docs").glob("bench-h200-*.json"))
 
 
 def estimate(capsys, *args):
