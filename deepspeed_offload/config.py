@@ -46,6 +46,10 @@ class OffloadConfig(BaseModel):
     pin_memory: bool = True
     prefetch: bool = True
     memory_budget_gb: Optional[float] = Field(None, ge=0)
+    # Stream mode: load sub-groups during backward and write them back during the next forward.
+    overlap: bool = True
+    # Device memory early loads may hold; null: derived from the previous iteration's peak.
+    overlap_memory_gb: Optional[float] = Field(None, ge=0)
     async_checkpoint: bool = False
 
     @property
