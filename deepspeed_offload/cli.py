@@ -1,29 +1,60 @@
 """The ``deepspeed-offload`` console script.
 
 ``check`` validates a ds_config exactly as ``initialize`` would (same code path, nothing created)
-and says in one line what would happen; exit 2 with the ConfigError on stderr otherwise.
+and says in one line what would happen; exit 2 with the ConfigError on stderr otherwise. Every
+numeric argument must be a positive, finite number (argparse exits 2 naming the argument).
 """
 
 import argparse
 import json
+import math
 import sys
 
 from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, check_host_memory, format_bytes, load_ds_config,
                      validate)
 
 
+def positive_int(text: str) -> int:
+    """A count: 350000000, 350_000_000 or 3.5e8 (an integral value), at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            f = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(f) or f != int(f):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        value = int(f)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A rate: finite and above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number above 0")
+    return value
+
+
 def cmd_check(ns) -> int:
     try:
         ds_config = load_ds_config(ns.config)
-        plan = validate(ds_config, strict_when_disabled=True)
+        plan = validate(ds_config, strict_when_disabled=True, world_size=ns.world_size)
         host_line = ""
         if plan is not None and ns.params:
-            world = ns.world_size
+            world = ns.world_size or 1
             per_rank = -(-ns.params // world) * STATE_BYTES_PER_PARAM
             check_host_memory(per_rank * ns.ranks_per_node, what=f"{ns.ranks_per_node} rank(s) on this node")
             host_line = f", host memory {format_bytes(per_rank)} per rank"
     except ConfigError as e:
-        print(f"deepspeed-offload: {ns.config}: {e}", file=sys.stderr)
+        where = "" if e.path == ns.config else f"{ns.config}: "  # file errors name the file already
+        print(f"deepspeed-offload: {where}{e}", file=sys.stderr)
         return 2
     if plan is None:
         print(f"{ns.config}: OK; {BLOCK} absent or disabled: plain DeepSpeed, nothing offloaded")
@@ -99,9 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Validate a ds_config as deepspeed_offload.initialize would. Exit 0 with a "
                            "one-line summary, or exit 2 with the offending key path and the reason on stderr.")
     check.add_argument("config", help="path to the ds_config JSON")
-    check.add_argument("--params", type=int, default=0, help="model parameters, to size the host store per rank")
-    check.add_argument("--world-size", type=int, default=1, help="data-parallel ranks sharing the state")
-    check.add_argument("--ranks-per-node", type=int, default=1, help="ranks whose host stores share this host")
+    check.add_argument("--params", type=positive_int, default=None,
+                       help="model parameters, to size the host store per rank")
+    check.add_argument("--world-size", type=positive_int, default=None,
+                       help="data-parallel ranks sharing the state; also checks DeepSpeed's train_batch_size = "
+                       "micro batch x accumulation steps x world size (default: any world size the batch sizes allow)")
+    check.add_argument("--ranks-per-node", type=positive_int, default=1,
+                       help="ranks whose host stores share this host")
     check.set_defaults(func=cmd_check)
 
     est = sub.add_parser("estimate",
@@ -109,11 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Estimate, before launching, the GPU memory offload frees per rank, the "
                          "pinned host memory per node and the step's copy time, from the parameter count and the "
                          "host-device bandwidth (measured here when there is a CUDA device, or given).")
-    est.add_argument("--params", type=int, required=True, help="model parameters")
-    est.add_argument("--world-size", type=int, default=1, help="data-parallel ranks sharing the state")
-    est.add_argument("--ranks-per-node", type=int, default=None, help="default: min(world size, 8)")
+    est.add_argument("--params", type=positive_int, required=True, help="model parameters")
+    est.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks sharing the state")
+    est.add_argument("--ranks-per-node", type=positive_int, default=None, help="default: min(world size, 8)")
     est.add_argument("--config", help="ds_config with the optimizer_state_offload block (budget, sub_group_mb)")
-    est.add_argument("--bandwidth", type=float, default=None, help="GB/s each way with both directions busy")
+    est.add_argument("--bandwidth", type=positive_float, default=None,
+                     help="GB/s each way with both directions busy")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
     est.set_defaults(func=cmd_estimate)
 
@@ -121,10 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="side-by-side benchmark against upstream DeepSpeed (needs a GPU)",
                            description="Run resident ZeRO-3, stream mode (with and without prefetch), "
                            "offload_states, ZeRO-Offload, an async checkpoint, DeepCompile without offload, with our "
-                           "compile mode and with its own offload_opt_states, and a copy-bandwidth probe, each in its own process, on DESIGN.md's "
-                           "1.07B model by default; write JSON and a PNG chart.")
+                           "compile mode and with its own offload_opt_states, and a copy-bandwidth probe, each in its own process, on the benchmark MLP "
+                           "(docs/benchmarks.md) by default; write JSON and a PNG chart.")
     bench_parser(bench)
     bench.set_defaults(func=cmd_bench)
+    from .envinfo import register as register_env
+    register_env(sub)
     return parser
 
 

@@ -31,7 +31,7 @@ def test_estimate_within_15_percent_of_the_benchmark(capsys, path):
 
 def test_estimate_uses_the_config_budget_and_splits_ranks(capsys, tmp_path):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3},
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                                "optimizer_state_offload": {"enabled": True, "memory_budget_gb": 1}}))
     est = estimate(capsys, "--params", "1000000000", "--world-size", "4", "--config", str(cfg), "--bandwidth", "50")
     assert est["state_per_rank"] == 250_000_000 * 12
@@ -64,3 +64,45 @@ def test_subcommand_help(capsys, sub):
     with pytest.raises(SystemExit) as e:
         cli_main([sub, "--help"])
     assert e.value.code == 0 and f"deepspeed-offload {sub}" in capsys.readouterr().out
+
+
+ESTIMATE = ["estimate", "--params", "1000", "--bandwidth", "50"]
+BAD_NUMBERS = [
+    (ESTIMATE + ["--bandwidth", "0"], "--bandwidth"),  # was ZeroDivisionError
+    (ESTIMATE + ["--bandwidth", "-3"], "--bandwidth"),
+    (ESTIMATE + ["--bandwidth", "inf"], "--bandwidth"),
+    (ESTIMATE + ["--bandwidth", "nan"], "--bandwidth"),
+    (ESTIMATE + ["--bandwidth", "fast"], "--bandwidth"),
+    (ESTIMATE + ["--world-size", "0"], "--world-size"),  # was ZeroDivisionError
+    (ESTIMATE + ["--world-size", "-2"], "--world-size"),
+    (ESTIMATE + ["--ranks-per-node", "0"], "--ranks-per-node"),
+    (ESTIMATE + ["--ranks-per-node", "-8"], "--ranks-per-node"),
+    (["estimate", "--params", "-1000", "--bandwidth", "50"], "--params"),  # printed negative figures
+    (["estimate", "--params", "0", "--bandwidth", "50"], "--params"),
+    (["estimate", "--params", "1.5", "--bandwidth", "50"], "--params"),
+    (["estimate", "--params", "1e400", "--bandwidth", "50"], "--params"),
+    (["check", "CONFIG", "--params", "-5"], "--params"),
+    (["check", "CONFIG", "--params", "0"], "--params"),
+    (["check", "CONFIG", "--world-size", "0"], "--world-size"),
+    (["check", "CONFIG", "--world-size", "-1"], "--world-size"),
+    (["check", "CONFIG", "--ranks-per-node", "0"], "--ranks-per-node"),
+    (["check", "CONFIG", "--ranks-per-node", "-4"], "--ranks-per-node"),
+]
+
+
+@pytest.mark.parametrize("argv,arg", BAD_NUMBERS, ids=[" ".join(a[0][-2:]) + f" {a[0][0]}" for a in BAD_NUMBERS])
+def test_every_numeric_argument_is_positive_and_finite(capsys, tmp_path, argv, arg):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                               "optimizer_state_offload": {"enabled": True}}))
+    argv = [str(cfg) if a == "CONFIG" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert f"argument {arg}" in captured.err and "Traceback" not in captured.err and captured.out == ""
+
+
+def test_counts_may_be_written_as_scientific_notation(capsys):
+    assert estimate(capsys, "--params", "1e9", "--bandwidth", "50")["state_per_rank"] == 12 * 10**9
+    assert estimate(capsys, "--params", "1_000", "--bandwidth", "50")["state_per_rank"] == 12_000

@@ -1,4 +1,4 @@
-"""Validation of the block and of its neighbours: every case of DESIGN.md's "Rejected" list is a
+"""Validation of the block and of its neighbours: every case of the README's "What is rejected" list (docs/troubleshooting.md) is a
 ConfigError naming the key, and ``deepspeed-offload check`` exits 2 with that message."""
 
 import copy
@@ -152,8 +152,88 @@ def test_disabled_or_absent_is_none():
 
 def test_defaults_follow_design():
     c = OffloadConfig()
-    assert (c.enabled, c.mode, c.sub_group_mb, c.pin_memory, c.prefetch, c.memory_budget_gb,
-            c.async_checkpoint) == (False, "auto", 256, True, True, None, False)
+    assert (c.enabled, c.mode, c.sub_group_mb, c.pin_memory, c.prefetch, c.memory_budget_gb, c.overlap,
+            c.overlap_memory_gb, c.async_checkpoint) == (False, None, 256, True, True, None, True, None, False)
+
+
+@pytest.mark.parametrize("mode", [None, "absent"])
+def test_mode_null_or_absent_is_derived(monkeypatch, mode):
+    block = {"enabled": True} if mode == "absent" else {"enabled": True, "mode": None}
+    assert cfgmod.validate(with_(optimizer_state_offload=block)).mode == "stream"
+    monkeypatch.setattr(cfgmod, "_compile_supported", lambda: (True, ""))
+    plan = cfgmod.validate(with_(optimizer_state_offload=block, compile={"deepcompile": True}))
+    assert plan.mode == "compile" and plan.offload.mode is None
+
+
+@pytest.mark.parametrize("key", ["mode", "memory_budget_gb", "sub_group_mb", "pin_memory", "enabled"])
+def test_auto_is_never_one_of_our_values(key):
+    with pytest.raises(ConfigError, match="not one of our values") as err:
+        cfgmod.validate(with_(**{f"optimizer_state_offload__{key}": "auto"}))
+    assert err.value.path == f"optimizer_state_offload.{key}"
+    if key == "mode":
+        assert "use null or leave it out" in err.value.reason
+
+
+@pytest.mark.parametrize("value", ["true", 1])
+def test_deepcompile_read_as_deepspeed_reads_it(monkeypatch, value):
+    """DeepSpeed's CompileConfig turns DeepCompile on for "true" and 1: so does the derived mode."""
+    from deepspeed.compile.config import CompileConfig
+    assert CompileConfig(deepcompile=value).deepcompile is True
+    monkeypatch.setattr(cfgmod, "_compile_supported", lambda: (True, ""))
+    assert cfgmod.validate(with_(compile={"deepcompile": value})).mode == "compile"
+
+
+def test_deprecated_aliases_resolved_as_deepspeed_does(monkeypatch):
+    with pytest.raises(ConfigError, match="deprecated cpu_offload") as err:
+        cfgmod.validate(with_(zero_optimization__cpu_offload=True))
+    assert err.value.path == "zero_optimization.offload_optimizer.device"
+    assert cfgmod.validate(with_(zero_optimization__cpu_offload=False)).mode == "stream"
+    monkeypatch.setattr(cfgmod, "_compile_supported", lambda: (True, ""))
+    with pytest.raises(ConfigError, match="deprecated cpu_offload_param") as err:
+        cfgmod.validate(with_(COMPILE, zero_optimization__cpu_offload_param=True))
+    assert err.value.path == "zero_optimization.offload_param.device"
+    # DeepSpeed's old format: "zero_optimization": true is stage 1
+    with pytest.raises(ConfigError, match="got true, which DeepSpeed reads as 1"):
+        cfgmod.validate(with_(zero_optimization=True))
+    # DeepSpeed reads "3" and 3.0 as stage 3; "auto" is dropped (stage 0)
+    assert cfgmod.validate(with_(zero_optimization__stage="3")).mode == "stream"
+    assert cfgmod.validate(with_(zero_optimization__stage=3.0)).mode == "stream"
+    with pytest.raises(ConfigError, match='"auto", which DeepSpeed reads as 0'):
+        cfgmod.validate(with_(zero_optimization__stage="auto"))
+    # the old "bfloat16" section name is read (and checked) when "bf16" is absent
+    with pytest.raises(ConfigError) as err:
+        cfgmod.validate(with_(bfloat16={"enabled": "maybe"}))
+    assert err.value.path == "bfloat16.enabled"
+
+
+def test_sub_group_size_as_deepspeed_reads_it(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(cfgmod.logger, "warning", warnings.append)
+    auto = cfgmod.validate(with_(zero_optimization__sub_group_size="auto"))  # OpenRLHF: unset, ours goes in
+    assert auto.sub_group_size_set_by_us and auto.ds_config["zero_optimization"]["sub_group_size"] == 22369621
+    assert warnings == []
+    huge = cfgmod.validate(with_(zero_optimization__sub_group_size=1e9))  # the HF templates' float
+    assert huge.sub_group_size == 10**9 and not huge.sub_group_size_set_by_us
+    assert huge.ds_config["zero_optimization"]["sub_group_size"] == 1e9  # DeepSpeed gets the user's value
+    (warning, ) = warnings
+    assert "11.18 GiB" in warning and "sub_group_mb=256" in warning and "22,369,621" in warning
+    assert cfgmod.validate(with_(zero_optimization__sub_group_size=5 * 10**8)).sub_group_size == 5 * 10**8
+    assert len(warnings) == 1  # below DeepSpeed's default: the user chose it
+    for bad in ("1e9", 1.5, -5):
+        with pytest.raises(ConfigError) as err:
+            cfgmod.validate(with_(zero_optimization__sub_group_size=bad))
+        assert err.value.path == "zero_optimization.sub_group_size"
+
+
+def test_world_size_for_the_batch_check():
+    cfg = with_(train_batch_size=16, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    assert cfgmod.validate(cfg) is not None  # world size unknown: 8 fits
+    assert cfgmod.validate(cfg, world_size=8) is not None
+    with pytest.raises(ConfigError, match="world size 4") as err:
+        cfgmod.validate(cfg, world_size=4)
+    assert err.value.path == "train_batch_size"
+    with pytest.raises(ConfigError, match="whatever the world size"):
+        cfgmod.validate(with_(cfg, train_batch_size=15))
 
 
 def test_files_read_like_deepspeed(tmp_path):
