@@ -1,0 +1,389 @@
+"""``deepspeed-offload env``: what a bug report about this package needs to know about the machine.
+
+Like ``ds_report`` and ``accelerate env``, but about what offload depends on: the versions of the
+stack, the accelerator, how much host memory can be pinned (``ulimit -l``, MemAvailable, the cgroup
+limit, a real 64 MiB pin on a GPU), /dev/shm, the pinned copy bandwidth each way and both at once
+(measured with ``bench.bandwidth``, the benchmark's own probe), and whether DeepCompile can load for
+compile mode.
+
+Each probe is one key. A probe with nothing to measure here (no CUDA device, a package not installed)
+or one that fails gives its reason instead of a value: the text output says ``n/a: <reason>``, the
+JSON output has ``null`` and the reason under ``"unavailable"``. Nothing raises past a probe, so the
+report always completes and never shows a traceback. While the probes run, anything written to
+stdout (DeepSpeed's logger, a JIT build) goes to stderr, so ``--json`` prints JSON alone; one line
+comes before any code here runs: on a machine without a GPU, DeepSpeed prints a warning to stdout
+when it falls back to the CPU accelerator on import (``DS_ACCELERATOR=cpu`` silences it).
+
+    deepspeed-offload env [--json]
+    python -m deepspeed_offload.envinfo [--json]
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import sys
+import time
+from importlib import metadata
+
+from .config import format_bytes, host_memory_available
+
+PIN_TEST_BYTES = 64 * 2**20
+# bench.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
+BANDWIDTH_GIB = 1
+BUILD_ENV = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR",
+             "DS_BUILD_OPS")
+
+
+class Unavailable(Exception):
+    """A probe's answer that there is nothing to report here, with the reason (not a failure)."""
+
+
+def _cuda_device():
+    """None when there is a CUDA device to measure, else the reason there is none."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    name = get_accelerator().device_name()
+    if name != "cuda" or not torch.cuda.is_available():
+        return f"no CUDA device (accelerator '{name}')"
+    return None
+
+
+def _need_cuda():
+    reason = _cuda_device()
+    if reason:
+        raise Unavailable(reason)
+
+
+def _limit(value):
+    return "unlimited" if value == resource.RLIM_INFINITY else value
+
+
+def _meminfo(key):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise Unavailable(f"no {key} in /proc/meminfo")
+
+
+# ---- the probes: each returns the key's value or raises (Unavailable with the reason) ----
+
+
+def probe_python():
+    return f"{platform.python_version()} ({platform.python_implementation()})"
+
+
+def probe_platform():
+    return platform.platform()
+
+
+def probe_torch():
+    import torch
+    return torch.__version__
+
+
+def probe_torch_cuda():
+    import torch
+    if torch.version.cuda:
+        return torch.version.cuda
+    if getattr(torch.version, "hip", None):
+        return f"hip {torch.version.hip}"
+    raise Unavailable("torch is a CPU build")
+
+
+def probe_deepspeed():
+    import deepspeed
+    return deepspeed.__version__
+
+
+def probe_deepspeed_offload():
+    from . import __version__
+    return f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"
+
+
+def _distribution(*names):
+
+    def probe():
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+        raise Unavailable("not installed")
+
+    return probe
+
+
+def probe_build_env():
+    """The environment variables that decide which accelerator DeepSpeed picks and how its JIT ops
+    (FusedAdam, DeepCompile) build, where set."""
+    return {k: os.environ[k] for k in BUILD_ENV if k in os.environ}
+
+
+def probe_accelerator():
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name()
+
+
+def probe_device_count():
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_count()
+
+
+def probe_devices():
+    _need_cuda()
+    import torch
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        devices.append({"name": p.name, "memory": p.total_memory, "capability": f"{p.major}.{p.minor}"})
+    return devices
+
+
+def probe_nccl():
+    _need_cuda()
+    import torch
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def probe_memlock_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return {"soft": _limit(soft), "hard": _limit(hard)}
+
+
+def probe_host_memory():
+    return {"total": _meminfo("MemTotal"), "available": host_memory_available()}
+
+
+def _cgroup_limit():
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        # cgroup v1 says "no limit" with a huge page-rounded number
+        return "unlimited" if text == "max" or int(text) >= 2**62 else int(text)
+    raise Unavailable("no cgroup memory limit file")
+
+
+def probe_cgroup_memory_limit():
+    return _cgroup_limit()
+
+
+def probe_pinnable_host_memory():
+    """What the host store could pin at most: MemAvailable, bounded by the memlock soft limit and the
+    cgroup's memory limit."""
+    bounds = {"MemAvailable": host_memory_available()}
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if soft != resource.RLIM_INFINITY:
+        bounds["memlock limit (ulimit -l)"] = soft
+    try:
+        cgroup = _cgroup_limit()
+        if cgroup != "unlimited":
+            bounds["cgroup memory limit"] = cgroup
+    except Unavailable:
+        pass
+    limited_by = min(bounds, key=bounds.get)
+    return {"bytes": bounds[limited_by], "limited_by": limited_by}
+
+
+def probe_pin_test():
+    """Page-lock 64 MiB the way the host store does (the accelerator's pin_empty)."""
+    _need_cuda()
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    t = time.perf_counter()
+    buf = acc.pin_empty(PIN_TEST_BYTES, dtype=torch.uint8)
+    seconds = time.perf_counter() - t
+    pinned = acc.is_pinned(buf)
+    del buf
+    if not pinned:
+        raise RuntimeError(f"pin_empty returned {format_bytes(PIN_TEST_BYTES)} that is not page-locked")
+    return {"bytes": PIN_TEST_BYTES, "seconds": seconds}
+
+
+def probe_dev_shm():
+    if not os.path.isdir("/dev/shm"):
+        raise Unavailable("no /dev/shm")
+    usage = shutil.disk_usage("/dev/shm")
+    return {"total": usage.total, "free": usage.free}
+
+
+def probe_pinned_bandwidth():
+    """The benchmark's own probe: GB/s host to device, device to host, each way with both at once,
+    and pageable host to device for comparison."""
+    _need_cuda()
+    from .bench import bandwidth
+    return bandwidth(argparse.Namespace(bw_gib=BANDWIDTH_GIB))
+
+
+def probe_deepcompile():
+    """What compile mode needs: torch >= 2.6, a CUDA accelerator (the same check as config.py) and
+    DeepSpeed's DeepCompile op, built or loaded here (a JIT build takes a minute, once)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from .config import _compile_supported
+    ok, why = _compile_supported()
+    if not ok:
+        raise Unavailable(why)
+    builder = get_accelerator().create_op_builder("DeepCompileBuilder")
+    if builder is None:
+        raise Unavailable("this accelerator has no DeepCompileBuilder")
+    if not builder.is_compatible(verbose=False):
+        raise Unavailable("DeepCompileBuilder is not compatible with this system (ds_report says why)")
+    try:
+        from deepspeed.git_version_info import installed_ops
+        prebuilt = bool(installed_ops.get(builder.NAME, False))
+    except ImportError:
+        prebuilt = False
+    t = time.perf_counter()
+    try:
+        builder.load(verbose=False)
+    except Exception as e:
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        hint = ""
+        if re.search(r"\d\.\d+[a-zA-Z]", arch):
+            plain = re.sub(r"(\d\.\d+)[a-zA-Z]+", r"\1", arch)
+            hint = (f"; DeepSpeed's JIT builder cannot parse TORCH_CUDA_ARCH_LIST={arch!r} (the letter suffix): "
+                    f"set it without, e.g. {plain!r}")
+        raise Unavailable(f"DeepCompileBuilder().load() failed: {type(e).__name__}: {e}{hint}") from None
+    return {"loadable": True, "prebuilt": prebuilt, "load_seconds": time.perf_counter() - t}
+
+
+PROBES = [
+    ("python", probe_python),
+    ("platform", probe_platform),
+    ("torch", probe_torch),
+    ("torch_cuda", probe_torch_cuda),
+    ("deepspeed", probe_deepspeed),
+    ("deepspeed_offload", probe_deepspeed_offload),
+    ("transformers", _distribution("transformers")),
+    ("accelerate", _distribution("accelerate")),
+    ("lightning", _distribution("lightning", "pytorch-lightning")),
+    ("build_env", probe_build_env),
+    ("accelerator", probe_accelerator),
+    ("device_count", probe_device_count),
+    ("devices", probe_devices),
+    ("nccl", probe_nccl),
+    ("memlock_limit", probe_memlock_limit),
+    ("host_memory", probe_host_memory),
+    ("cgroup_memory_limit", probe_cgroup_memory_limit),
+    ("pinnable_host_memory", probe_pinnable_host_memory),
+    ("pin_test", probe_pin_test),
+    ("dev_shm", probe_dev_shm),
+    ("pinned_bandwidth", probe_pinned_bandwidth),
+    ("deepcompile", probe_deepcompile),
+]
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send stdout to stderr while probes run: sys.stdout, and fd 1 for handlers that hold the
+    original stream (DeepSpeed's logger) and for child processes (a JIT build)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def collect(probes=None):
+    """Run every probe. Returns ``{key: value, ..., "unavailable": {key: reason}}``: a key whose probe
+    had nothing to report or failed has the value None and its reason under "unavailable"."""
+    report, unavailable = {}, {}
+    with _stdout_to_stderr():
+        for key, probe in PROBES if probes is None else probes:
+            try:
+                report[key] = probe()
+            except Unavailable as e:
+                report[key], unavailable[key] = None, str(e)
+            except (Exception, SystemExit) as e:  # a probe must not end the report (a builder may exit)
+                report[key], unavailable[key] = None, f"probe failed: {type(e).__name__}: {e}"
+    report["unavailable"] = unavailable
+    return report
+
+
+def _fmt_bytes(n):
+    return n if isinstance(n, str) else format_bytes(n)
+
+
+FORMATS = {
+    "build_env": lambda v: ", ".join(f"{k}={val}" for k, val in v.items()) or "none of " + " ".join(BUILD_ENV),
+    "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}"
+                                    for i, d in enumerate(ds)),
+    "memlock_limit": lambda v: f"soft {_fmt_bytes(v['soft'])}, hard {_fmt_bytes(v['hard'])}",
+    "host_memory": lambda v: f"{format_bytes(v['available'])} available of {format_bytes(v['total'])}",
+    "cgroup_memory_limit": _fmt_bytes,
+    "pinnable_host_memory": lambda v: f"{format_bytes(v['bytes'])} (limited by {v['limited_by']})",
+    "pin_test": lambda v: f"ok, {format_bytes(v['bytes'])} pinned with pin_empty in {v['seconds'] * 1e3:.1f} ms",
+    "dev_shm": lambda v: f"{format_bytes(v['free'])} free of {format_bytes(v['total'])}",
+    "pinned_bandwidth": lambda v: (f"H2D {v['h2d_GBps']:.1f} GB/s, D2H {v['d2h_GBps']:.1f} GB/s, both at once "
+                                   f"{v['both_each_way_GBps']:.1f} GB/s each way; pageable H2D "
+                                   f"{v['pageable_h2d_GBps']:.1f} GB/s"),
+    "deepcompile": lambda v: (f"yes, DeepCompileBuilder loads ({'prebuilt' if v['prebuilt'] else 'JIT'}, "
+                              f"{v['load_seconds']:.1f} s)"),
+}
+
+
+def format_text(report):
+    """Aligned ``key : value`` lines, ready to paste into a bug report."""
+    keys = [k for k in report if k != "unavailable"]
+    width = max(map(len, keys))
+    lines = ["deepspeed-offload env"]
+    for key in keys:
+        if key in report["unavailable"]:
+            value = f"n/a: {report['unavailable'][key]}"
+        else:
+            try:
+                value = FORMATS.get(key, str)(report[key])
+            except Exception:  # a value of an unexpected shape still prints
+                value = str(report[key])
+        lines.append(f"{key.ljust(width)} : {value}")
+    return "\n".join(lines)
+
+
+def cmd_env(ns) -> int:
+    report = collect()
+    print(json.dumps(report, indent=2) if ns.json else format_text(report))
+    return 0
+
+
+def add_arguments(parser):
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=cmd_env)
+    return parser
+
+
+def register(subparsers):
+    """Add ``env`` to the ``deepspeed-offload`` subcommands (cli.py's build_parser calls this)."""
+    return add_arguments(
+        subparsers.add_parser("env",
+                              help="versions, accelerator, pinnable memory, bandwidth: for bug reports",
+                              description="Print what a bug report needs: versions, the accelerator, "
+                              "ulimit -l and pinnable host memory, /dev/shm, pinned copy bandwidth on a GPU, "
+                              "and whether DeepCompile loads. A probe that cannot run says why."))
+
+
+def main(argv=None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m deepspeed_offload.envinfo",
+                                                   description=__doc__.splitlines()[0]))
+    ns = parser.parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
