@@ -4,11 +4,14 @@
 
 Runs on any accelerator DeepSpeed knows, the CPU included (2 gloo ranks). The only change from a
 plain DeepSpeed script is ``deepspeed_offload.initialize`` in place of ``deepspeed.initialize``.
+
+With ``--save_dir`` it saves a checkpoint at the end; with ``"async_checkpoint": true`` in the block
+that save returns at once and the files are written in the background, so the script waits for
+them (``deepspeed_offload.wait_for_checkpoint``) before it ends. Never leave with ``os._exit`` while
+a checkpoint may be in flight: it kills the writer, and nothing can report it.
 """
 
 import argparse
-import os
-import sys
 
 import deepspeed
 import torch
@@ -21,6 +24,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
     parser.add_argument("--local_rank", type=int, default=-1)
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -45,13 +49,14 @@ def main():
     handle = deepspeed_offload.get_handle(engine)
     if engine.global_rank == 0 and handle is not None:
         print(f"offload: {handle.step_stats()}", flush=True)
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
+    # Every rank: the asynchronous checkpoint is on disk and 'latest' names it (raises if it failed).
+    deepspeed_offload.wait_for_checkpoint(engine)
+    if engine.global_rank == 0 and args.save_dir:
+        print(f"checkpoint saved in {args.save_dir}", flush=True)
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
-    if get_accelerator().device_name() == "cpu":
-        # DeepSpeed's CPU communication backend can abort in its destructors at interpreter exit
-        # ("terminate called without an active exception") after a run that went well: leave first.
-        sys.stdout.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":
