@@ -2,12 +2,18 @@
 
 The fp32 master weights and optimizer moments live in pinned host memory and pass through the GPU
 only while the step needs them. Public API: ``initialize`` (drop-in for ``deepspeed.initialize``),
-``attach`` (for an existing engine), ``get_handle``, ``wait_for_checkpoint``, ``ConfigError`` and ``OffloadConfig``.
+``attach`` (for an existing engine), ``install``/``uninstall`` (every ``deepspeed.initialize`` of the
+process applies the block: how the HF Trainer, Accelerate and Lightning get it), ``get_handle``,
+``wait_for_checkpoint``/``checkpoint_pending`` (and the checkpoint errors), ``ConfigError`` and ``OffloadConfig``.
 """
 
 from .api import attach, get_handle, initialize
 from .config import ConfigError, OffloadConfig
-from .runtime.checkpoint import wait_for_checkpoint
+from .install import install, is_installed, uninstall
+from .runtime.checkpoint import CheckpointLoadError, CheckpointWriteError, checkpoint_pending, wait_for_checkpoint
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "attach", "get_handle", "wait_for_checkpoint", "ConfigError", "OffloadConfig", "__version__"]
+__all__ = [
+    "initialize", "attach", "install", "uninstall", "is_installed", "get_handle", "wait_for_checkpoint",
+    "checkpoint_pending", "CheckpointWriteError", "CheckpointLoadError", "ConfigError", "OffloadConfig", "__version__"
+]

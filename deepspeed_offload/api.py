@@ -1,4 +1,5 @@
-"""``initialize`` and ``attach``: the two ways a DeepSpeed user turns optimizer-state offload on.
+"""``initialize`` and ``attach``: the two ways a DeepSpeed user turns optimizer-state offload on
+(``install()``, in install.py, makes every ``deepspeed.initialize`` of the process do ``build``).
 
 Both validate first (deepspeed_offload.config), so a rejected configuration creates no engine, no
 process group and no pinned memory. Then DeepSpeed builds the engine as usual and ``_attach_mode``
@@ -7,16 +8,20 @@ process group and no pinned memory. Then DeepSpeed builds the engine as usual an
 
 import copy
 import os
+import weakref
+from typing import Any, Dict
 
-import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
-from deepspeed.utils import logger
-from deepspeed.utils.logging import print_dist
+from deepspeed.utils import log_dist, logger
 
 from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, Plan, check_host_memory, load_ds_config, local_ranks,
                      resolve_config_source, validate)
 
 HANDLE_ATTR = "_deepspeed_offload"
+_UNRESOLVED = object()
+# Every engine of this process with offload attached: what the framework guards (integrations.py)
+# wait for before a framework deletes or uploads a checkpoint folder.
+_attached = weakref.WeakSet()
 
 
 def initialize(args=None,
@@ -34,23 +39,42 @@ def initialize(args=None,
                config_params=None):
     """Drop-in for ``deepspeed.initialize``: same arguments, same ``(engine, optimizer, loader,
     lr_scheduler)``. With the ``optimizer_state_offload`` block absent or disabled it *is*
-    ``deepspeed.initialize``."""
-    passthrough = dict(args=args,
-                       model=model,
-                       optimizer=optimizer,
-                       model_parameters=model_parameters,
-                       training_data=training_data,
-                       lr_scheduler=lr_scheduler,
-                       distributed_port=distributed_port,
-                       mpu=mpu,
-                       dist_init_required=dist_init_required,
-                       collate_fn=collate_fn,
-                       mesh_param=mesh_param)
-    source = resolve_config_source(args, config, config_params)
+    ``deepspeed.initialize``. An engine built without a ZeRO-3 optimizer (no optimizer: inference,
+    evaluation, a reference model) or without trainable parameters is returned as DeepSpeed built it,
+    with one log line. Calls DeepSpeed's own ``initialize`` even after ``install()``, so an engine is
+    never attached twice."""
+    from .install import original_initialize
+    return build(original_initialize(),
+                 dict(args=args,
+                      model=model,
+                      optimizer=optimizer,
+                      model_parameters=model_parameters,
+                      training_data=training_data,
+                      lr_scheduler=lr_scheduler,
+                      distributed_port=distributed_port,
+                      mpu=mpu,
+                      dist_init_required=dist_init_required,
+                      collate_fn=collate_fn,
+                      config=config,
+                      mesh_param=mesh_param,
+                      config_params=config_params))
+
+
+def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
+    """What ``initialize`` does, with DeepSpeed's ``initialize`` given (``install()`` passes the one
+    it replaced) and its keyword arguments as a dict (keys this module does not know pass through)."""
+    kwargs = dict(kwargs)
+    args, config = kwargs.pop("args", None), kwargs.pop("config", None)
+    config_params = kwargs.pop("config_params", None)
+    if source is _UNRESOLVED:
+        source = resolve_config_source(args, config, config_params)
     plan = validate(load_ds_config(source))
     if plan is None:
-        return deepspeed.initialize(config=config, config_params=config_params, **passthrough)
-    _check_host_memory_before_deepspeed(plan, model)
+        return ds_initialize(args=args, config=config, config_params=config_params, **kwargs)
+    model = kwargs.get("model")
+    builds_optimizer = kwargs.get("optimizer") is not None or "optimizer" in plan.ds_config
+    if builds_optimizer:
+        _check_host_memory_before_deepspeed(plan, model)
 
     if args is not None and (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)):
         # DeepSpeed refuses a config both in args and config=; ours (with sub_group_size) wins.
@@ -58,13 +82,26 @@ def initialize(args=None,
         for attr in ("deepspeed_config", "deepscale_config"):
             if hasattr(args, attr):
                 setattr(args, attr, None)
-        passthrough["args"] = args
-    result = deepspeed.initialize(config=plan.ds_config, **passthrough)
+    result = ds_initialize(args=args, config=plan.ds_config, **kwargs)
     if plan.sub_group_size_set_by_us:
-        print_dist(f"[deepspeed-offload] zero_optimization.sub_group_size unset: using {plan.sub_group_size} "
-                   f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
-    _attach_mode(result[0], plan)
+        log_dist(f"[deepspeed-offload] zero_optimization.sub_group_size unset: using {plan.sub_group_size} "
+                 f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
+    _attach_if_trainable(result[0], plan)
     return result
+
+
+def _attach_if_trainable(engine, plan: Plan):
+    """Attach ``engine`` unless there is no optimizer state to offload; say which, once."""
+    opt = engine.optimizer
+    if not getattr(opt, "fp32_partitioned_groups_flat", None):
+        why = (f"it has no ZeRO-3 optimizer ({type(opt).__name__ if opt is not None else 'none'}): built "
+               "without an optimizer, as for inference, evaluation or a reference model")
+    elif not any(p.requires_grad for p in engine.module.parameters()):
+        why = "it has no trainable parameters"
+    else:
+        return _attach_mode(engine, plan)
+    log_dist(f"[deepspeed-offload] {BLOCK}: engine left as DeepSpeed built it, {why}", ranks=[0])
+    return None
 
 
 def _check_host_memory_before_deepspeed(plan: Plan, model):
@@ -100,7 +137,8 @@ def get_handle(engine):
 
 def _check_engine(engine, plan: Plan):
     if getattr(engine, HANDLE_ATTR, None) is not None:
-        raise ConfigError(BLOCK, "this engine already has optimizer-state offload attached")
+        raise ConfigError(BLOCK, "this engine already has optimizer-state offload attached (by initialize, "
+                          "install() or an earlier attach)")
     if engine.zero_optimization_stage() != 3:
         raise ConfigError("zero_optimization.stage",
                           f"the engine runs ZeRO stage {engine.zero_optimization_stage()}; offload needs stage 3")
@@ -132,4 +170,10 @@ def _attach_mode(engine, plan: Plan):
         from .compile_passes import attach_compile
         handle = attach_compile(engine, plan.offload)
     setattr(engine, HANDLE_ATTR, handle)
+    _attached.add(engine)
     return handle
+
+
+def attached_engines():
+    """The engines of this process that have offload attached (alive ones)."""
+    return list(_attached)

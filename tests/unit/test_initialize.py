@@ -1,8 +1,10 @@
 """``initialize``/``attach`` before DeepSpeed runs, and the host store's bad-input paths."""
 
 import argparse
+import functools
 import json
 
+import deepspeed
 import pytest
 import torch
 import torch.distributed as torch_dist
@@ -20,9 +22,14 @@ from deepspeed_offload.runtime.stream import probe_state_layout
 def spies(monkeypatch):
     """Record every call that would create an engine, a process group or pinned memory."""
     calls = []
-    monkeypatch.setattr(api.deepspeed, "initialize", lambda *a, **k: calls.append(("deepspeed.initialize", k)) or
-                        ("engine", None, None, None))
-    monkeypatch.setattr(api, "_attach_mode", lambda engine, plan: calls.append(("attach", plan)))
+
+    @functools.wraps(deepspeed.initialize)  # its signature, which install() binds the call with
+    def initialize(*a, **k):
+        calls.append(("deepspeed.initialize", k))
+        return ("engine", None, None, None)
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    monkeypatch.setattr(api, "_attach_if_trainable", lambda engine, plan: calls.append(("attach", plan)))
     acc = get_accelerator()
     real_pin = acc.pin_empty
     monkeypatch.setattr(acc, "pin_empty", lambda *a, **k: calls.append(("pin", a)) or real_pin(*a, **k))
@@ -31,6 +38,8 @@ def spies(monkeypatch):
 
 
 BAD = {"zero_optimization": {"stage": 2}, "optimizer_state_offload": {"enabled": True}}
+ON = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+      "optimizer_state_offload": {"enabled": True}}
 
 
 def test_failed_validation_leaves_nothing_behind(spies, tmp_path):
@@ -57,7 +66,7 @@ def test_disabled_is_plain_deepspeed(spies):
 
 def test_enabled_passes_sub_group_size_and_clears_args(spies, tmp_path):
     path = tmp_path / "on.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "optimizer_state_offload": {"enabled": True}}))
+    path.write_text(json.dumps(ON))
     args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
     deepspeed_offload.initialize(args=args, model=torch.nn.Linear(4, 4))
     (_, kwargs), (attach, plan) = spies
@@ -120,8 +129,7 @@ def test_probe_state_layout_leaves_optimizer_untouched():
 def test_attach_refuses_a_non_zero3_engine():
 
     class FakeEngine:
-        _config = type("C", (), {"_param_dict": {"zero_optimization": {"stage": 3},
-                                                 "optimizer_state_offload": {"enabled": True}}})()
+        _config = type("C", (), {"_param_dict": ON})()
         optimizer = object()
 
         def zero_optimization_stage(self):
@@ -144,9 +152,8 @@ def test_host_memory_is_checked_before_deepspeed_runs(spies, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     model = torch.nn.Linear(100, 10)  # 1010 parameters: 505 per rank, 6060 bytes, 2 ranks here: 12120
-    cfg = {"zero_optimization": {"stage": 3}, "optimizer_state_offload": {"enabled": True}}
     with pytest.raises(ConfigError, match=r"2 rank\(s\) on this node needs 11\.84 KiB .* only 9\.77 KiB"):
-        deepspeed_offload.initialize(model=model, config=cfg)
+        deepspeed_offload.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ON)
     assert spies == []
 
 
@@ -156,3 +163,156 @@ def test_host_store_counts_the_ranks_of_the_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="2 rank"):
         HostStore({0: [(MASTER, torch.float32, 500)]}, pin_memory=False)
+
+
+# ---------------------------------------------------------------- install(): every deepspeed.initialize
+
+
+@pytest.fixture
+def installed():
+    yield deepspeed_offload.install
+    deepspeed_offload.uninstall()
+
+
+def test_install_is_idempotent_and_uninstall_restores(spies, installed):
+    original = deepspeed.initialize
+    installed()
+    patched = deepspeed.initialize
+    assert patched is not original and deepspeed_offload.is_installed()
+    installed()
+    assert deepspeed.initialize is patched  # not wrapped twice
+    deepspeed_offload.uninstall()
+    assert deepspeed.initialize is original and not deepspeed_offload.is_installed()
+    deepspeed_offload.uninstall()  # safe twice
+    assert deepspeed.initialize is original
+
+
+def test_installed_initialize_applies_the_block_like_initialize(spies, installed):
+    installed()
+    model = torch.nn.Linear(4, 4)
+    # positional, the way a framework may call it: (args, model, optimizer, model_parameters, ...)
+    out = deepspeed.initialize(None, model, None, model.parameters(), config_params=ON)
+    assert out == ("engine", None, None, None)
+    (name, kwargs), (attach, plan) = spies
+    assert name == "deepspeed.initialize" and kwargs["model"] is model
+    assert kwargs["config"]["zero_optimization"]["sub_group_size"] == plan.sub_group_size
+    assert kwargs.get("config_params") is None  # the validated copy goes as config=
+    spies.clear()
+    deepspeed_offload.initialize(model=model, config=ON)  # the user's own call while installed
+    assert [c[0] for c in spies] == ["deepspeed.initialize", "attach"]  # DeepSpeed's once, attached once
+
+
+def test_installed_initialize_without_the_block_is_deepspeeds(spies, installed):
+    installed()
+    model = torch.nn.Linear(4, 4)
+    cfg = {"zero_optimization": {"stage": 3}}
+    deepspeed.initialize(model=model, config=cfg)
+    deepspeed.initialize(model=model)  # no ds_config at all: DeepSpeed's call decides, as without install
+    (_, first), (_, second) = spies
+    assert first["config"] is cfg and second == {"model": model}  # passed on exactly as called
+
+
+def test_installed_initialize_still_rejects_a_bad_block_first(spies, installed):
+    installed()
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        deepspeed.initialize(model=torch.nn.Linear(4, 4), config=BAD)
+    assert spies == []
+
+
+class _Engine:
+
+    def __init__(self, optimizer, trainable=True):
+        self.optimizer = optimizer
+        self.module = torch.nn.Linear(2, 2).requires_grad_(trainable)
+
+
+def test_engines_without_optimizer_state_are_left_alone(monkeypatch):
+    attached, logged = [], []
+    monkeypatch.setattr(api, "_attach_mode", lambda engine, plan: attached.append(engine) or "handle")
+    monkeypatch.setattr(api, "log_dist", lambda msg, ranks=None: logged.append(msg))
+    zero3 = type("Stage3", (), {"fp32_partitioned_groups_flat": [torch.zeros(2)]})()
+    param_offload_only = type("DeepSpeedZeRoOffload", (), {})()  # ZeRO-3 built without an optimizer
+    assert api._attach_if_trainable(_Engine(param_offload_only), plan=None) is None
+    assert api._attach_if_trainable(_Engine(None), plan=None) is None
+    assert api._attach_if_trainable(_Engine(zero3, trainable=False), plan=None) is None
+    assert attached == [] and len(logged) == 3
+    assert "DeepSpeedZeRoOffload" in logged[0] and "no trainable parameters" in logged[2]
+    engine = _Engine(zero3)
+    assert api._attach_if_trainable(engine, plan=None) == "handle" and attached == [engine]
+
+
+def test_no_optimizer_skips_the_host_memory_check(spies, monkeypatch):
+    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 10)
+    model = torch.nn.Linear(100, 10)
+    deepspeed_offload.initialize(model=model, config=ON)  # inference engine: no store will be built
+    with pytest.raises(ConfigError, match="host memory"):
+        deepspeed_offload.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ON)
+
+
+class _Checkpointer:
+    """Stands in for runtime.checkpoint.AsyncCheckpointer: records the waits."""
+
+    def __init__(self, log, error=None):
+        self.log, self._error = log, error
+
+    def wait_here(self):
+        self.log.append("join")
+        return self._error
+
+    def wait(self):
+        self.log.append("wait")
+
+
+def _engine_with_checkpointer(log, error=None):
+    engine = _Engine(None)
+    setattr(engine, api.HANDLE_ATTR, type("Handle", (), {"checkpointer": _Checkpointer(log, error)})())
+    api._attached.add(engine)
+    return engine
+
+
+def test_guards_wait_for_the_write_before_deleting(monkeypatch):
+    from deepspeed_offload import integrations
+    log = []
+    engine = _engine_with_checkpointer(log)
+    rotate = integrations._after_writes("rotation")(lambda *a, **k: log.append(("rotate", a, k)))
+    rotate("run", save_total_limit=1)
+    assert log == ["join", ("rotate", ("run", ), {"save_total_limit": 1})]  # rank-local: no collective
+
+    log.clear()
+    save_state = integrations._before_save_state(lambda self, *a: log.append("save_state"))
+    save_state(type("Accelerator", (), {"_models": [engine, torch.nn.Linear(1, 1)]})())
+    assert log == ["wait", "save_state"]  # every rank calls save_state: the collective wait
+
+    log.clear()
+    errors = []
+    monkeypatch.setattr(integrations.logger, "error", errors.append)
+    getattr(engine, api.HANDLE_ATTR).checkpointer._error = RuntimeError("disk full")
+    rotate("run", save_total_limit=1)
+    assert log == ["join"] and "disk full" in errors[0]  # rotation skipped: the older checkpoints stay
+    api._attached.discard(engine)
+
+
+def test_install_guards_the_frameworks_where_they_delete_checkpoints(installed):
+    import inspect
+    import accelerate.accelerator as acc
+    import lightning.pytorch.strategies.deepspeed as pl_ds
+    import transformers.trainer as hf
+
+    # transformers 4.x: a Trainer method; 5.x: trainer_utils' function, looked up in trainer.py
+    rotation = ((hf.Trainer, "_rotate_checkpoints") if hasattr(hf.Trainer, "_rotate_checkpoints") else
+                (hf, "rotate_checkpoints"))
+
+    def current():
+        return (getattr(*rotation), hf.Trainer._push_from_checkpoint, acc.Accelerator.save_state,
+                pl_ds.DeepSpeedStrategy.remove_checkpoint)
+
+    before = current()
+    installed()
+    assert all(a is not b for a, b in zip(current(), before))
+    # the Trainer deletes and uploads, through exactly these names, after the engine's save returned
+    source = inspect.getsource(hf.Trainer._save_checkpoint)
+    saved = source.index("self._save_optimizer_and_scheduler(")
+    assert saved < source.index("self._push_from_checkpoint(") and saved < source.index(rotation[1] + "(")
+    deepspeed_offload.uninstall()
+    assert current() == before
+    assert "remove_checkpoint" not in vars(pl_ds.DeepSpeedStrategy)  # the inherited method shows through again
