@@ -5,11 +5,16 @@
 # results under $OUT:
 #   bash scripts/gpu.sh tests [PYTEST ARGS] the GPU-marked launcher tests, 5 at a time (1 rank per GPU;
 #                                          2-GPU cases skip on one GPU; ~4 min), or the tests ARGS name
-#   bash scripts/gpu.sh worker MODE [ARGS] one bench mode in the foreground, its whole log in $OUT
-#   bash scripts/gpu.sh bench [ARGS]       deepspeed-offload bench on DESIGN.md's 1.07B model
+#   bash scripts/gpu.sh worker MODE [ARGS] one bench mode, one rank, in the foreground, its whole log in $OUT
+#   bash scripts/gpu.sh bench [ARGS]       deepspeed-offload bench (--plot, --timeline added), results to $OUT
 #   bash scripts/gpu.sh bench-bg [ARGS]    the same, started in its own session (it outlives this call:
 #                                          a full bench runs longer than one device call may)
 #   bash scripts/gpu.sh bench-wait SECS    wait up to SECS for it, then copy its results to $OUT
+#   bash scripts/gpu.sh run CMD [ARGS]     any command with the wheels installed and the JIT ops built
+# bench and bench-bg start afresh unless ARGS hold --resume (then the modes the last bench.json of this
+# machine measured with the same arguments are kept; results are written after every mode), or begin
+# with --resume-from FILE: a bench.json brought back from an earlier machine (copy it into the repo
+# under an ignored path, e.g. out/, and carry that path), the modes it measured are kept.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -32,8 +37,23 @@ build_ops() {  # before anything runs in parallel: no two processes race to buil
 }
 
 collect() {  # at most 8 files come back from a device call: the workers' logs travel as one archive
-    cp "$BG"/bench.json "$BG"/bench.png "$BG"/bench.log "$OUT"/ 2>/dev/null
+    cp "$BG"/bench.json "$BG"/bench.png "$BG"/bench-sweep.png "$BG"/timeline.png "$BG"/bench.log "$OUT"/ 2>/dev/null
     (cd "$BG" && tar czf "$OUT/bench-logs.tgz" bench-*.log 2>/dev/null)
+}
+
+prepare_bench() {  # sets BENCH_ARGS; clears $BG unless this run resumes
+    local resume=0 from=
+    if [ "${1:-}" = --resume-from ]; then
+        [ -f "${2:-}" ] || { echo "--resume-from: no file '${2:-}'" >&2; exit 2; }
+        from=$2
+        shift 2
+        set -- "$@" --resume
+    fi
+    for a in "$@"; do [ "$a" = --resume ] && resume=1; done
+    [ $resume = 1 ] && [ -z "$from" ] || rm -f "$BG"/*
+    [ -z "$from" ] || cp "$from" "$BG/bench.json"
+    # --out first: bench-wait finds the run by it
+    BENCH_ARGS=(--out "$BG/bench.json" --plot "$BG/bench.png" --timeline "$BG/timeline.png" "$@")
 }
 
 what=${1:-tests}
@@ -53,15 +73,17 @@ worker)
     echo "worker $mode: rc $?"; grep -a "RESULT\|Error\|error" "$OUT/worker-$mode.log" | tail -8 ;;
 bench)
     build_ops
-    rm -f "$BG"/*
-    python3 -m deepspeed_offload.bench --out "$BG/bench.json" --plot "$BG/bench.png" "$@" 2>&1 | tee "$BG/bench.log" | tail -40
+    prepare_bench "$@"
+    python3 -m deepspeed_offload.bench "${BENCH_ARGS[@]}" 2>&1 | tee "$BG/bench.log" | tail -40
     collect ;;
 bench-bg)
     build_ops
-    rm -f "$BG"/*
-    setsid nohup python3 -m deepspeed_offload.bench --out "$BG/bench.json" --plot "$BG/bench.png" "$@" \
-        >"$BG/bench.log" 2>&1 < /dev/null &
+    prepare_bench "$@"
+    setsid nohup python3 -m deepspeed_offload.bench "${BENCH_ARGS[@]}" >>"$BG/bench.log" 2>&1 < /dev/null &
     echo "bench started in the background, pid $!" ;;
+run)
+    build_ops
+    "$@" ;;
 bench-wait)
     end=$((SECONDS + ${1:-560}))
     while pgrep -f "deepspeed_offload.bench --out $BG" >/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
@@ -69,5 +91,5 @@ bench-wait)
     collect
     tail -40 "$BG/bench.log" ;;
 *)
-    echo "usage: bash scripts/gpu.sh tests|worker|bench|bench-bg|bench-wait [ARGS]" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu.sh tests|worker|bench|bench-bg|bench-wait|run [ARGS]" >&2; exit 2 ;;
 esac
