@@ -14,6 +14,11 @@ from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, check_host_memor
                      validate)
 
 
+# Each way, both directions busy, summed over the ranks of one node: 2 ranks on a 2-GPU H200 host
+# each got 36.4 GB/s when both streamed at once, against 47.4-48.9 alone (docs/benchmarks.md).
+HOST_BANDWIDTH_GBPS = 72.9
+
+
 def positive_int(text: str) -> int:
     """A count: 350000000, 350_000_000 or 3.5e8 (an integral value), at least 1."""
     try:
@@ -91,12 +96,15 @@ def cmd_estimate(ns) -> int:
     slot = min(offloaded, sub_group_mb * 2**20)
     ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
     host = offloaded * ranks_per_node
+    # Every rank of the node copies at once: each gets its own link's bandwidth until their sum
+    # reaches what the host's memory gives all of them together.
+    per_rank_bw = min(bandwidth, ns.host_bandwidth / ranks_per_node)
     # Loads and write-backs overlap, both directions at once; the first load and the last
     # write-back of the step have nothing to overlap with.
-    step = offloaded / (bandwidth * 1e9) + slot / (bandwidth * 1e9)
+    step = offloaded / (per_rank_bw * 1e9) + slot / (per_rank_bw * 1e9)
     est = {"state_per_rank": per_rank, "gpu_freed_per_rank": offloaded, "staging_during_step": 2 * slot,
            "host_pinned_per_node": host, "bandwidth_GBps": bandwidth, "bandwidth_measured": measured,
-           "step_copy_s": step}
+           "host_bandwidth_GBps": ns.host_bandwidth, "bandwidth_per_rank_GBps": per_rank_bw, "step_copy_s": step}
     if ns.json:
         print(json.dumps(est))
     else:
@@ -107,7 +115,10 @@ def cmd_estimate(ns) -> int:
         print(f"GPU memory freed per rank between steps: {format_bytes(offloaded)}; during the step the GPU "
               f"holds two staging slots, {format_bytes(2 * slot)}")
         print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(host)}")
-        print(f"step copy time: {step:.3f} s at {bandwidth:.1f} GB/s each way ({src})")
+        shared = ("" if per_rank_bw == bandwidth else
+                  f", the host's {ns.host_bandwidth:.1f} GB/s shared by {ranks_per_node} ranks")
+        print(f"step copy time: {step:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link {bandwidth:.1f} "
+              f"GB/s, {src}{shared})")
     try:
         check_host_memory(host, what=f"{ranks_per_node} ranks' host stores")
     except ConfigError as e:
@@ -148,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks sharing the state")
     est.add_argument("--ranks-per-node", type=positive_int, default=None, help="default: min(world size, 8)")
     est.add_argument("--config", help="ds_config with the optimizer_state_offload block (budget, sub_group_mb)")
+    est.add_argument("--host-bandwidth", type=positive_float, default=HOST_BANDWIDTH_GBPS,
+                     help="GB/s each way that the host's memory gives all its ranks together, both directions "
+                     f"busy (default {HOST_BANDWIDTH_GBPS}: 2 x 36.4, measured with 2 H200 ranks streaming at once, "
+                     "docs/benchmarks.md)")
     est.add_argument("--bandwidth", type=positive_float, default=None,
                      help="GB/s each way with both directions busy")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -155,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import build_parser as bench_parser
     bench = sub.add_parser("bench", help="side-by-side benchmark against upstream DeepSpeed (needs a GPU)",
-                           description="Run resident ZeRO-3, stream mode (with and without prefetch), "
+                           description="Run resident ZeRO-3, stream mode (overlap off and on), "
                            "offload_states, ZeRO-Offload, an async checkpoint, DeepCompile without offload, with our "
                            "compile mode and with its own offload_opt_states, and a copy-bandwidth probe, each in its own process, on the benchmark MLP "
                            "(docs/benchmarks.md) by default; write JSON and a PNG chart.")

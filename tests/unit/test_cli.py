@@ -1,6 +1,7 @@
 """``deepspeed-offload estimate`` against the committed H200 benchmark, and the CLI's edges."""
 
 import json
+import statistics
 
 import pytest
 
@@ -106,3 +107,20 @@ def test_every_numeric_argument_is_positive_and_finite(capsys, tmp_path, argv, a
 def test_counts_may_be_written_as_scientific_notation(capsys):
     assert estimate(capsys, "--params", "1e9", "--bandwidth", "50")["state_per_rank"] == 12 * 10**9
     assert estimate(capsys, "--params", "1_000", "--bandwidth", "50")["state_per_rank"] == 12_000
+
+
+def test_estimate_shares_the_host_bandwidth_among_the_ranks_of_a_node(capsys):
+    """Calibrated on the committed 2-rank run: with both ranks streaming at once each got less than
+    alone, and estimate's per-rank bandwidth for 2 ranks per node is that measured figure."""
+    run = json.loads((RUNS[0].parent / "bench-h200x2-2026-11-29-llama4.json").read_text())
+    ranks = run["results"]["bandwidth"]["ranks"]
+    alone = min(r["alone"]["both_each_way_GBps"] for r in ranks)
+    together = statistics.mean(r["together"]["both_each_way_GBps"] for r in ranks)
+    assert together < 0.9 * alone  # the measurement this calibration rests on
+    one = estimate(capsys, "--params", "1e9", "--bandwidth", str(alone), "--ranks-per-node", "1")
+    two = estimate(capsys, "--params", "1e9", "--world-size", "2", "--bandwidth", str(alone), "--ranks-per-node", "2")
+    assert one["bandwidth_per_rank_GBps"] == alone  # one rank alone: its link
+    assert two["bandwidth_per_rank_GBps"] == pytest.approx(together, rel=0.02)
+    eight = estimate(capsys, "--params", "1e9", "--world-size", "8", "--bandwidth", str(alone), "--ranks-per-node", "8")
+    assert eight["bandwidth_per_rank_GBps"] == pytest.approx(two["bandwidth_per_rank_GBps"] / 4)
+    assert eight["step_copy_s"] > two["step_copy_s"]
