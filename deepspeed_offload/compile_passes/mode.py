@@ -1,14 +1,20 @@
 """Compile mode's runtime: stream mode's host store and streamed step, driven by ops in the graphs.
 
-One host store, one streamed step (``runtime/stream.py``); this class only adds what the ops do:
+One host store, one streamed step, one residency table (``runtime/stream.py``,
+``runtime/residency.py``); this class only adds what the ops do:
 
-- ``reload`` (in backward, where the planner found room): ``StreamMode.preload`` copies a
-  sub-group into buffers of its own; the step updates it there instead of streaming it.
+- ``reload`` (in backward, where the planner found room): ``preload`` loads a sub-group into
+  buffers of its own (``ResidencyTable.load``); the step updates it there instead of streaming it.
 - ``copy_stream_sync`` (end of backward): the compute stream waits for those copies (an event,
   no host wait), so the step starts on complete state.
-- ``offload_launch`` (head of the next forward): ``StreamMode.offload`` writes the updated
-  sub-group back and hands its buffers to the allocator once the copy is done.
+- ``offload_launch`` (head of the next forward): ``offload_for_forward`` writes the updated
+  sub-group back and hands its buffers to the allocator once the copy is done. (Stream mode
+  writes such a sub-group back at once, in the step; compile mode defers it to this op:
+  ``DEFER_WRITE_BACK``.)
 - ``empty_cache`` (head of forward): returns cached blocks once per compile phase, not per step.
+
+Stream mode's own early loads from the gradient hook are off here (the graphs place the reloads);
+``prefetch`` of the first two sub-groups into the slots works as in stream mode without overlap.
 
 Nothing stays resident between phases: every offloaded sub-group leaves the device at the head of
 forward whatever the budget, which decides only how much comes back early in backward. With
@@ -41,6 +47,9 @@ def _deepcompile_is_profiling() -> bool:
 class CompileMode(StreamMode):
     """Attached to one engine that will run under DeepCompile with our pass in its schedule."""
 
+    OVERLAP_IN_BACKWARD = False  # the reload ops placed by the planner load early instead
+    DEFER_WRITE_BACK = True  # offload_launch at the next forward's head writes back
+
     def __init__(self, engine, cfg, is_profiling=_deepcompile_is_profiling):
         super().__init__(engine, cfg)
         self.is_profiling = is_profiling
@@ -57,6 +66,10 @@ class CompileMode(StreamMode):
         print_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
                    ranks=[0])
 
+    def detach(self):
+        ops.unbind(self)
+        super().detach()
+
     def _resident_budget_bytes(self) -> int:
         return 0  # capacity-first: everything leaves the device at the head of forward
 
@@ -68,11 +81,11 @@ class CompileMode(StreamMode):
         DeepCompile's profiler runs a collective per node."""
         import torch
         import deepspeed.comm as dist
-        acc = self.streams.acc
+        acc = self.acc
         if self.cfg.memory_budget_gb is not None:
             budget = int(self.cfg.memory_budget_gb * 2**30)
         else:
-            budget = int(acc.total_memory() * (1 - MARGIN)) if self.streams.async_ok else 0
+            budget = 0 if self.copies.synchronous else int(acc.total_memory() * (1 - MARGIN))
         if dist.is_initialized():
             t = torch.tensor([budget], dtype=torch.int64, device=acc.current_device_name())
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.engine.data_parallel_group)
@@ -80,7 +93,7 @@ class CompileMode(StreamMode):
         return budget
 
     def sub_group_bytes(self, i) -> int:
-        return sum(self.store.region(i, dt).nbytes for dt in self.store.region_numel(i))
+        return self.layout.nbytes[i]
 
     def begin_phase(self):
         """Called by the pass on the first forward graph of a compile phase, before it is profiled:
@@ -88,15 +101,29 @@ class CompileMode(StreamMode):
         # DeepCompile calls passes from inside AOT's fake mode; these are real copies of real tensors.
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():
-            self.drain()
-        self._preloaded.clear()
+            self.synchronize_for_checkpoint()
+            self.table.release_loaded()
         self._empty_cache_armed = True
         self.counters["phases"] += 1
+
+    # ------------------------------------------------------------------ early loads and late write-backs
+
+    def preload(self, i) -> int:
+        """H2D of sub-group ``i`` into buffers of its own, ahead of the step. Returns the bytes it
+        started to copy (0 if it is on the device already, or a step is running)."""
+        if self._in_step or self.table[i].on_device:
+            return 0
+        self._load(i, slot=None, early=True)
+        return self.layout.nbytes[i]
+
+    def offload(self, i) -> int:
+        """D2H of a sub-group the last step updated in its own buffers (0 if there is none)."""
+        return self.offload_for_forward([i])
 
     # ------------------------------------------------------------------ what the ops call
 
     def _known(self, i):
-        if i not in self._position:
+        if i not in self.table.of:
             raise RuntimeError(f"torch.ops.ds_offload names sub-group {i}, which this engine does not offload "
                                f"(it has {len(self.order)}): the graph was compiled for another model or "
                                "sub_group_size; clear the inductor cache (TORCHINDUCTOR_CACHE_DIR) and recompile")
@@ -120,12 +147,12 @@ class CompileMode(StreamMode):
         if self.is_profiling() or not self._empty_cache_armed:
             return
         self._empty_cache_armed = False
-        self.streams.acc.empty_cache()
+        self.acc.empty_cache()
         self.counters["empty_cache"] += 1
 
     def op_copy_stream_sync(self):
         if self.is_profiling():
             return
-        st = self.streams
-        st.wait(st.compute(), self.preloaded_event())
+        # The newest H2D: the copy stream runs them in order, so every reload is done after it.
+        self.copies.compute_waits(self.table.last_load)
         self.counters["syncs"] += 1

@@ -155,27 +155,33 @@ def _evicting_first(launch, mode):
             mode.drain()
         return launch(global_steps, *args, **kwargs)
 
+    launch_compile_passes.evicts_first = True
     return launch_compile_passes
 
 
 def install(engine, mode):
-    """Register the pass and make ``engine.compile()`` run the schedule with it."""
+    """Register the pass and make ``engine.compile()`` run the schedule with it. Both engine hooks
+    go through ``mode.patches``, so ``mode.detach()`` removes them with the rest."""
     from deepspeed.compile.init_z3 import WARMUP
     the_pass = OffloadPass(mode)
     engine.register_compile_pass(NAME, the_pass, CONTRACT)
-    compile_fn = engine.compile
 
-    def compile(*args, **kwargs):
-        if len(args) >= 3:
-            args = list(args)
-            args[2] = arrange(args[2], WARMUP)
-        else:
-            kwargs["schedule"] = arrange(kwargs.get("schedule"), WARMUP)
-        result = compile_fn(*args, **kwargs)
-        launch = getattr(engine, "launch_compile_passes", None)
-        if launch is not None:
-            engine.launch_compile_passes = _evicting_first(launch, mode)
-        return result
+    def arranging(compile_fn):
 
-    engine.compile = compile
+        def compile(*args, **kwargs):
+            if len(args) >= 3:
+                args = list(args)
+                args[2] = arrange(args[2], WARMUP)
+            else:
+                kwargs["schedule"] = arrange(kwargs.get("schedule"), WARMUP)
+            result = compile_fn(*args, **kwargs)
+            launch = getattr(engine, "launch_compile_passes", None)
+            # DeepSpeed sets it anew at each compile(): wrap what is there unless it is ours already.
+            if launch is not None and not getattr(launch, "evicts_first", False):
+                mode.patches.patch(engine, "launch_compile_passes", lambda launch: _evicting_first(launch, mode))
+            return result
+
+        return compile
+
+    mode.patches.patch(engine, "compile", arranging)
     return the_pass

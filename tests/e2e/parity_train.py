@@ -5,6 +5,11 @@ whether to go through ``deepspeed.initialize`` or ``deepspeed_offload.initialize
 observed to ``spec["out"]`` (rank 0, torch.save): per-step losses, and after the last step every
 parameter's full fp32 master and every optimizer-state tensor, read with DeepSpeed's own
 ``safe_get_full_*`` helpers. Two runs that must agree are compared with ``torch.equal``.
+
+A spec with ``variants`` (a list of overrides, e.g. ``{"api": "deepspeed"}`` for plain ZeRO-3 and
+``{"offload": {...}}`` for each offload configuration) trains each of them in turn, in the same
+process, from the same seed, and writes ``{"variants": [result, ...]}``: one launch instead of one
+per run.
 """
 
 import glob
@@ -105,7 +110,7 @@ def abort_step(engine):
         base.step = real_step
     handle = deepspeed_offload.get_handle(engine)
     return {"raised": raised, "host_resident": handle.host_resident(), "in_step": handle._in_step,
-            "slots": handle._slots is not None}
+            "slots": handle.table.slots is not None}
 
 
 class CompileOps:
@@ -159,8 +164,38 @@ def checkpoint(engine, save):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def detach_and_check(engine):
+    """Detach offload; report whether every patched method is DeepSpeed's own again."""
+    handle = deepspeed_offload.get_handle(engine)
+    opt = engine.optimizer
+    patched = [(obj, name) for obj, name, _ in handle.patches._applied]
+    handle.detach()
+    own = [name for obj, name in patched if name in vars(obj)]
+    return {"patched": sorted(name for _, name in patched), "still_instance_attributes": own,
+            "handle_gone": deepspeed_offload.get_handle(engine) is None,
+            "methods_are_class_methods": all(getattr(opt, n).__func__ is getattr(type(opt), n)
+                                             for n in ("step", "_prepare_sub_group", "_release_sub_group",
+                                                       "reduce_ready_partitions_and_remove_grads"))}
+
+
 def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
+    if spec.get("variants"):
+        result = {"variants": [train(dict(spec, **variant)) for variant in spec["variants"]]}
+    else:
+        result = train(spec)
+    if deepspeed.comm.get_rank() == 0:
+        torch.save(result, spec["out"])
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo can abort in its destructors at interpreter exit after the gathers above; everything is
+    # written, so leave now and let the launcher see the real outcome.
+    os._exit(0)
+
+
+def train(spec):
     torch.manual_seed(1234)
     hidden = spec.get("hidden", 32)
     config = ds_config(spec)
@@ -180,12 +215,18 @@ def main():
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     if spec.get("compile"):
         engine.compile()
+    if spec.get("early_cap_first"):
+        # overlap_memory_gb of exactly the first offloaded sub-group: it loads in backward, the
+        # rest stream through the slots in the step, whatever the model's sizes on this machine
+        handle = deepspeed_offload.get_handle(engine)
+        handle.early_cap = handle.layout.nbytes[handle.order[0]]
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]
     gen = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
+    step_stats = []  # the handle's step_stats() after each optimizer step
     result_extra = {}
     gas = spec.get("gas", 1)
     start = 0
@@ -219,12 +260,17 @@ def main():
                 continue
             engine.step()
             losses.append(loss.item())
+            handle = deepspeed_offload.get_handle(engine)
+            if handle is not None and micro == gas - 1:
+                step_stats.append(handle.step_stats())
+            if step == spec.get("detach_after") and micro == gas - 1:
+                result_extra["detach"] = detach_and_check(engine)
         for save in spec.get("saves", []):
             if save["at"] == step + 1 and step >= start:
                 checkpoint(engine, save)
 
     deepspeed_offload.wait_for_checkpoint(engine)
-    result = {"losses": losses, "fp32": {}, "state": {}, "start": start,
+    result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats,
               "loaded_into_store": loaded_into_store, **result_extra}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p)
@@ -245,16 +291,12 @@ def main():
         result["offload_states_refused"] = refused
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
                             "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]]),
-                            "counters": getattr(handle, "counters", None)}
-    if engine.global_rank == 0:
-        torch.save(result, spec["out"])
-    deepspeed.comm.barrier()
-    deepspeed.comm.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # gloo can abort in its destructors at interpreter exit after the gathers above; everything is
-    # written, so leave now and let the launcher see the real outcome.
-    os._exit(0)
+                            "counters": getattr(handle, "counters", None),
+                            "released_unused": getattr(handle, "released_unused", None),
+                            "overlap": getattr(handle, "overlap", None),
+                            "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
+                            else None}
+    return result
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Stream mode is bit-for-bit plain ZeRO-3: after several steps every fp32 master and optimizer
 state (read with DeepSpeed's ``safe_get_full_*``) and every loss is ``torch.equal`` to a plain run
-with the same optimizer. 2 gloo ranks on the CPU; on GPUs 1 rank per GPU (see the gpu cases)."""
+with the same optimizer. 2 gloo ranks on the CPU; on GPUs 1 rank per GPU (see the gpu cases).
+
+One launch per case: parity_train.py trains plain ZeRO-3 first, then each offload variant of the
+case (overlap on with the derived limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
+a detach, an asynchronous checkpoint and its resume), in the same process from the same seed."""
 
 import pytest
 import torch
@@ -10,57 +14,139 @@ from harness import two_ranks_unavailable, assert_bitwise_equal, launch
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
+ON_CPU = get_accelerator().device_name() == "cpu"
 
 OFFLOAD = {"enabled": True, "mode": "stream", "memory_budget_gb": 0}
 
+
+VARIANTS = {
+    "overlap": dict(offload=OFFLOAD),  # derived limit: no limit on the CPU, everything loads early
+    # a tiny overlap_memory_gb, set to exactly the first sub-group's bytes once the layout is known
+    # (parity_train.py): it loads in backward, the rest stream through the slots in the step
+    "overlap_tiny": dict(offload=dict(OFFLOAD, overlap_memory_gb=1e-6), early_cap_first=True),
+    "overlap_off": dict(offload=dict(OFFLOAD, overlap=False)),  # prefetch of two slots
+    "overlap_off_no_prefetch": dict(offload=dict(OFFLOAD, overlap=False, prefetch=False)),
+}
+
 CASES = {
-    # one parameter per sub-group, with two param groups, a frozen layer, a late layer and clipping
-    "one_param_per_sub_group": dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True,
-                                    clip=0.5),
-    "few_large_sub_groups_gas2": dict(dtype="bf16", sub_group_size=1500, gas=2),
-    "fp32_adam_clip": dict(dtype="fp32", sub_group_size=1, optimizer="torch_adam", clip=0.05),
-    "fp16_forced_overflow": dict(dtype="fp16", sub_group_size=1000, overflow_step=2),
-    "budget_keeps_some_resident_no_prefetch": dict(dtype="bf16", sub_group_size=1, late=True,
-                                                   offload=dict(OFFLOAD, memory_budget_gb=12e-6, prefetch=False)),
+    # one parameter per sub-group, with two param groups, a frozen layer, a late layer and clipping;
+    # a detach mid-run (training goes on as plain ZeRO-3); a checkpoint at step 3 and its resume
+    "one_param_per_sub_group": dict(
+        spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True, clip=0.5),
+        variants=["overlap", "overlap_tiny", "overlap_off", "detach", "checkpoint", "resume"]),
+    "few_large_sub_groups_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1500, gas=2),
+                                      variants=["overlap", "overlap_tiny", "overlap_off"]),
+    "fp32_adam_clip": dict(spec=dict(dtype="fp32", sub_group_size=1, optimizer="torch_adam", clip=0.05),
+                           variants=["overlap", "overlap_off_no_prefetch"]),
+    # an infinite loss at step 2: DeepSpeed skips the update (a non-finite gradient norm); what
+    # backward loaded is given back unused, and it counts in no step's stats
+    "bf16_skipped_step": dict(spec=dict(dtype="bf16", sub_group_size=1000, overflow_step=2),
+                              variants=["overlap", "overlap_tiny", "overlap_off"]),
+    "fp16_forced_overflow": dict(spec=dict(dtype="fp16", sub_group_size=1000, overflow_step=2),
+                                 variants=["overlap", "overlap_tiny", "overlap_off"]),
+    "budget_keeps_some_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True),
+                                       variants=["overlap", "overlap_off_no_prefetch"],
+                                       offload=dict(memory_budget_gb=12e-6)),
 }
 
 
-def run_pair(tmp_path, name, spec, nprocs=2, steps=6):
-    spec = dict(spec, steps=steps)
-    offload = spec.pop("offload", OFFLOAD)
-    plain = launch(dict(spec, api="deepspeed"), tmp_path, f"{name}-plain", nprocs=nprocs)
-    ours = launch(dict(spec, offload=offload), tmp_path, f"{name}-offload", nprocs=nprocs)
-    assert_bitwise_equal(plain, ours)
-    assert ours["handle"]["order"], "nothing was offloaded"
-    return plain, ours
+def variant_specs(case, tmp_path):
+    """The variants parity_train.py runs, plain ZeRO-3 first; and their names."""
+    extra = CASES[case].get("offload", {})
+    out = [("plain", {"api": "deepspeed"})]
+    for name in CASES[case]["variants"]:
+        if name == "detach":
+            out.append((name, dict(offload=dict(OFFLOAD, **extra), detach_after=3)))
+        elif name == "checkpoint":
+            save = {"at": 3, "tag": "t3", "dir": str(tmp_path / "ckpt"), "wait": True}
+            out.append((name, dict(offload=dict(OFFLOAD, async_checkpoint=True, **extra), saves=[save])))
+        elif name == "resume":
+            out.append((name, dict(offload=dict(OFFLOAD, **extra), resume={"dir": str(tmp_path / "ckpt")})))
+        elif name == "abort":
+            out.append((name, dict(offload=dict(OFFLOAD, **extra), abort_at=2)))
+        else:
+            v = VARIANTS[name]
+            out.append((name, dict(v, offload=dict(v["offload"], **extra))))
+    return out
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@needs_two_ranks
-def test_parity_two_ranks(tmp_path, name):
-    if CASES[name].get("dtype") == "fp16" and not get_accelerator().is_fp16_supported():
-        pytest.skip(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 (run on a GPU)")
-    plain, ours = run_pair(tmp_path, name, CASES[name])
+def run_case(tmp_path, case, nprocs=2, steps=6, **overrides):
+    spec = dict(CASES[case]["spec"], steps=steps, **overrides)
+    names, variants = zip(*variant_specs(case, tmp_path))
+    out = launch(dict(spec, variants=list(variants)), tmp_path, case, nprocs=nprocs)
+    results = dict(zip(names, out["variants"]))
+    plain = results["plain"]
+    for name, ours in results.items():
+        if name == "plain":
+            continue
+        if name == "resume":
+            assert ours["start"] == 3 and ours["losses"] == plain["losses"][3 * spec.get("gas", 1):]
+            assert_bitwise_equal(plain, ours, what=("fp32", "state"))
+        elif name != "abort":
+            assert_bitwise_equal(plain, ours)
+        if name == "detach":
+            d = ours["detach"]
+            assert d["handle_gone"] and d["methods_are_class_methods"] and not d["still_instance_attributes"], d
+            assert {"_prepare_sub_group", "_release_sub_group", "step", "_backward_prologue"} <= set(d["patched"])
+            continue
+        check_stats(spec, name, ours)
+    return results
+
+
+def check_stats(spec, name, ours):
+    """Every step's stats: each offloaded sub-group loaded once (early or in the step) and written
+    back once, the bytes equal both ways; a skipped step adds nothing to the next one."""
     handle = ours["handle"]
-    assert handle["order"], "nothing was offloaded"
-    stats = handle["stats"]
-    assert stats["sub_groups"] == len(handle["order"]) and stats["bytes_h2d"] == stats["bytes_d2h"] > 0
-    assert "already lives in host memory" in ours["offload_states_refused"]
-    if name == "budget_keeps_some_resident_no_prefetch":
-        assert handle["resident"], "the budget should keep the first sub-groups resident"
-    if name == "fp16_forced_overflow":
-        assert plain["losses"][2] == float("inf")
-        assert handle["steps"] == 5  # the overflowed step moved nothing
+    order, per_step = handle["order"], ours["step_stats"]
+    assert order, "nothing was offloaded"
+    assert len(per_step) == spec["steps"] - ours["start"]
+    for k, stats in enumerate(per_step):
+        assert stats["sub_groups"] == len(order), (name, k, stats)
+        assert stats["bytes_h2d"] == stats["bytes_d2h"] > 0, (name, k, stats)
+    for k, stats in enumerate(per_step):
+        assert stats["loaded_early"] + stats["loaded_in_step"] == len(order), (name, k, stats)
+        early = stats["loaded_early"]
+        if name in ("overlap", "checkpoint", "resume") and ON_CPU:
+            assert early == len(order), (name, k, stats)  # no device memory limit on the CPU
+        elif name == "overlap_tiny":
+            assert early == 1 < len(order), (name, k, stats)
+        elif name == "overlap_off":
+            assert early == min(2, len(order)), (name, k, stats)
+        elif name == "overlap_off_no_prefetch":
+            assert early == 0, (name, k, stats)
+    assert handle["overlap"] is (not name.startswith("overlap_off")), (name, handle["overlap"])
+    if spec.get("overflow_step") is not None:
+        assert ours["losses"][spec["overflow_step"]] == float("inf")
+        assert handle["steps"] == spec["steps"] - 1  # the skipped step moved nothing
+        assert handle["released_unused"] > 0 or name == "overlap_off_no_prefetch"
+    assert {"exp_avg", "exp_avg_sq"} <= set(handle["keys"])
     # The moments always move; the master too under mixed precision. (In fp32 DeepSpeed may make the
     # master the model's own partition, which must stay where the model is.)
-    assert {"exp_avg", "exp_avg_sq"} <= set(handle["keys"])
-    if CASES[name].get("dtype", "bf16") != "fp32":
+    if spec.get("dtype", "bf16") != "fp32":
         assert "__master__" in handle["keys"]
+
+
+def skip_without_fp16(case):
+    if CASES[case]["spec"].get("dtype") == "fp16" and not get_accelerator().is_fp16_supported():
+        pytest.skip(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 (run on a GPU)")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@needs_two_ranks
+def test_parity_two_ranks(tmp_path, case):
+    skip_without_fp16(case)
+    results = run_case(tmp_path, case)
+    if case == "budget_keeps_some_resident":
+        assert results["overlap"]["handle"]["resident"], "the budget should keep the first sub-groups resident"
+    if case == "one_param_per_sub_group":
+        assert "already lives in host memory" in results["overlap"]["offload_states_refused"]
+        assert results["resume"]["loaded_into_store"] is True
 
 
 @needs_two_ranks
 def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
-    out = launch(dict(CASES["one_param_per_sub_group"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path, "abort")
+    out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path,
+                 "abort")
     assert out["abort"] == {"raised": "injected failure", "host_resident": True, "in_step": False, "slots": False}
     assert len(out["losses"]) == 4 and out["handle"]["steps"] == 4  # the steps after it ran and streamed
 
@@ -71,23 +157,23 @@ def _gpus():
 
 GPU_ONE_RANK = [("one_param_per_sub_group", "fused_adam"), ("few_large_sub_groups_gas2", "fused_adam"),
                 ("fp16_forced_overflow", "fused_adam"), ("fp32_adam_clip", "fused_adam"),
-                ("one_param_per_sub_group", "torch_adamw")]
+                ("bf16_skipped_step", "fused_adam"), ("one_param_per_sub_group", "torch_adamw")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,optimizer", GPU_ONE_RANK)
-def test_parity_gpu_one_rank(tmp_path, name, optimizer):
+@pytest.mark.parametrize("case,optimizer", GPU_ONE_RANK)
+def test_parity_gpu_one_rank(tmp_path, case, optimizer):
     if _gpus() < 1:
         pytest.skip("needs a CUDA GPU")
-    run_pair(tmp_path, f"{name}-{optimizer}", dict(CASES[name], optimizer=optimizer, hidden=256), nprocs=1)
+    run_case(tmp_path, case, nprocs=1, optimizer=optimizer, hidden=256)
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("name", list(CASES))
-def test_parity_gpu_two_ranks(tmp_path, name):
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_gpu_two_ranks(tmp_path, case):
     if _gpus() < 2:
         pytest.skip(f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {_gpus()}")
-    run_pair(tmp_path, name, dict(CASES[name], optimizer="fused_adam", hidden=256))
+    run_case(tmp_path, case, optimizer="fused_adam", hidden=256)
 
 
 COMPILE_OPS_CASES = {
@@ -105,11 +191,12 @@ COMPILE_OPS_CASES = {
 @needs_two_ranks
 def test_compile_mode_runtime_parity(tmp_path, name):
     """Compile mode's runtime (reload into own buffers, update there, write back at the next forward's
-    head), driven through torch.ops.ds_offload where the compiled graphs call it, is plain ZeRO-3 bit
-    for bit. DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
+    head), driven through torch.ops.ds_offload where the compiled graphs would call it, is plain
+    ZeRO-3 bit for bit. DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
     spec = dict(COMPILE_OPS_CASES[name], steps=6, api="deepspeed")
-    plain = launch({k: v for k, v in spec.items() if k != "compile_ops"}, tmp_path, f"{name}-plain")
-    ours = launch(spec, tmp_path, f"{name}-compile-ops")
+    plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
+    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}]), tmp_path, name)
+    plain, ours = out["variants"]
     assert_bitwise_equal(plain, ours)
     handle = ours["handle"]
     order, counters = handle["order"], handle["counters"]
@@ -128,3 +215,5 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     assert counters["bytes_reloaded"] * len(heads) == counters["bytes_offloaded"] * 6
     assert counters["empty_cache"] == counters["phases"] == (2 if recompile_at else 1)
     assert counters["syncs"] == 6 * spec.get("gas", 1)
+    # every step loaded each sub-group once and wrote it back once, counting the late write-backs
+    assert handle["stats"]["bytes_h2d"] == handle["stats"]["bytes_d2h"] > 0

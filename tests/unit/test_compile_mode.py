@@ -13,6 +13,7 @@ from torch._higher_order_ops.effects import _EffectType, _get_effect
 
 from deepspeed_offload.compile_passes import ops, schedule
 from deepspeed_offload.compile_passes.planner import plan_reloads, suffix_peaks
+from deepspeed_offload.runtime.patches import PatchRegistry
 
 NAMES = ["offload_launch", "reload", "empty_cache", "copy_stream_sync"]
 
@@ -271,7 +272,9 @@ def test_install_registers_the_pass_and_arranges_engine_compile():
             self.launch_compile_passes = lambda steps: seen.setdefault("launched", []).append(steps)
 
     engine = Engine()
+    original_compile = engine.compile
     mode = FakeMode(budget=0)
+    mode.patches = PatchRegistry()
     mode.drains = 0
     mode.drain = lambda: setattr(mode, "drains", mode.drains + 1)
     the_pass = schedule.install(engine, mode)
@@ -286,6 +289,10 @@ def test_install_registers_the_pass_and_arranges_engine_compile():
     engine.launch_compile_passes(0)
     engine.launch_compile_passes(3)
     assert mode.drains == 1 and seen["launched"] == [0, 3]
+    # every hook went through the mode's registry: removing them leaves DeepSpeed's own methods
+    mode.patches.remove_all()
+    assert engine.compile == original_compile and "launch_compile_passes" in vars(engine)
+    assert not getattr(engine.launch_compile_passes, "evicts_first", False)
 
 
 def test_reloads_depend_on_the_node_they_follow():

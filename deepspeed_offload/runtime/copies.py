@@ -1,0 +1,142 @@
+"""The copy executor: how state moves between the host store and device buffers, chosen once.
+
+Two implementations with one interface, picked by ``make_copies()`` at attach (the way
+``torch.optim.adam`` picks its implementation once instead of branching in the loop):
+
+- ``AsyncCopies`` (a GPU): an H2D stream and a D2H stream of their own, events to order them
+  against the compute stream, ``record_stream`` so that the caching allocator does not hand a
+  buffer to anyone else before the copies that use it are done. Nothing here blocks the CPU
+  except ``wait_host`` (and ``elapsed``, when stats are read).
+- ``SyncCopies`` (the CPU accelerator: device memory is host memory, there are no streams): every
+  copy runs at once, events are ``None``, waits are no-ops. The runtime's bookkeeping is the same
+  code, so CI tests it for real.
+
+The executor knows nothing of sub-groups or phases: ``runtime/residency.py`` decides what waits on
+what and passes the events in.
+"""
+
+import time
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+Buffers = Dict[torch.dtype, torch.Tensor]
+Span = Optional[Tuple[object, object]]  # two clock tokens, resolved by ``elapsed``
+
+
+class SyncCopies:
+    """Synchronous copies on a device without streams (DeepSpeed's CPU accelerator)."""
+
+    synchronous = True
+
+    def __init__(self, acc=None):
+        self.acc = acc or get_accelerator()
+
+    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
+        """Device buffers; and what a copy into them must wait for (None: nothing)."""
+        device = self.acc.current_device_name()
+        return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}, None
+
+    def h2d(self, dst: Buffers, src: Buffers, waits: Iterable[object]) -> Tuple[object, Span]:
+        t0 = time.perf_counter()
+        for dt, region in src.items():
+            dst[dt].narrow(0, 0, region.numel()).copy_(region)
+        return None, (t0, time.perf_counter())
+
+    def d2h(self, dst: Buffers, src: Buffers, waits: Iterable[object]) -> Tuple[object, Span]:
+        t0 = time.perf_counter()
+        for dt, region in dst.items():
+            region.copy_(src[dt].narrow(0, 0, region.numel()))
+        return None, (t0, time.perf_counter())
+
+    def mark(self) -> object:
+        """An event at the compute stream's current position (None: everything is done already)."""
+        return None
+
+    def compute_waits(self, event) -> None:
+        pass
+
+    def wait_host(self, event) -> None:
+        pass
+
+    def clock(self) -> object:
+        return time.perf_counter()
+
+    def elapsed(self, start, end) -> float:
+        return end - start
+
+
+class AsyncCopies:
+    """Copies on two streams of their own, ordered by events (a GPU)."""
+
+    synchronous = False
+
+    def __init__(self, acc=None):
+        self.acc = acc or get_accelerator()
+        self.h2d_stream = self.acc.Stream()
+        self.d2h_stream = self.acc.Stream()
+
+    def _event(self, stream, timing=False):
+        ev = self.acc.Event(enable_timing=timing)
+        ev.record(stream)
+        return ev
+
+    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
+        # On the compute stream, so the blocks come from (and go back to) the pool activations use.
+        # The allocator may hand out blocks the compute stream's queued work still reads: a copy
+        # into them waits for the event returned here. record_stream: when these buffers are
+        # dropped, the blocks are not reused before the copy streams' work queued by then is done.
+        device = self.acc.current_device_name()
+        bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
+        for buf in bufs.values():
+            buf.record_stream(self.h2d_stream)
+            buf.record_stream(self.d2h_stream)
+        return bufs, self._event(self.acc.current_stream())
+
+    def _wait(self, stream, waits):
+        for ev in waits:
+            if ev is not None:
+                stream.wait_event(ev)
+
+    def h2d(self, dst: Buffers, src: Buffers, waits: Iterable[object]) -> Tuple[object, Span]:
+        with self.acc.stream(self.h2d_stream):
+            self._wait(self.h2d_stream, waits)
+            for dt, region in src.items():
+                dst[dt].narrow(0, 0, region.numel()).copy_(region, non_blocking=True)
+            return self._event(self.h2d_stream), None
+
+    def d2h(self, dst: Buffers, src: Buffers, waits: Iterable[object]) -> Tuple[object, Span]:
+        with self.acc.stream(self.d2h_stream):
+            self._wait(self.d2h_stream, waits)
+            start = self._event(self.d2h_stream, timing=True)
+            for dt, region in dst.items():
+                region.copy_(src[dt].narrow(0, 0, region.numel()), non_blocking=True)
+            done = self._event(self.d2h_stream, timing=True)
+        return done, (start, done)
+
+    def mark(self) -> object:
+        return self._event(self.acc.current_stream())
+
+    def compute_waits(self, event) -> None:
+        if event is not None:
+            self.acc.current_stream().wait_event(event)
+
+    def wait_host(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def clock(self) -> object:
+        return self._event(self.acc.current_stream(), timing=True)
+
+    def elapsed(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
+def make_copies(acc=None):
+    """The executor for this process's accelerator."""
+    acc = acc or get_accelerator()
+    if acc.is_synchronized_device() or acc.device_name() == "cpu":
+        return SyncCopies(acc)
+    return AsyncCopies(acc)

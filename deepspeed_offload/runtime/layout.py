@@ -1,0 +1,107 @@
+"""The layout of the offloaded state, computed once at attach and never changed afterwards.
+
+Which tensors each ZeRO-3 sub-group moves (its fp32 master unless that *is* the model's partition,
+plus the per-parameter tensors the optimizer creates), how many bytes that is, which sub-groups stay
+resident within ``memory_budget_gb`` (the first ones, in step order) and which are offloaded (the
+rest, in step order), how large a staging slot must be (the largest offloaded sub-group, per dtype),
+and the largest fp32 gradient the step builds for one sub-group (what the step allocates on top of
+the state it holds). Everything else in the runtime reads these figures instead of recomputing them.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from .host_store import MASTER
+
+Entry = Tuple[str, torch.dtype, int]  # (MASTER or optimizer-state key, dtype, numel)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def probe_state_layout(base_optimizer, group_index, device, dtype) -> Dict[str, torch.dtype]:
+    """Which per-parameter tensors ``base_optimizer`` creates for a parameter of ``group_index``.
+
+    Steps the optimizer once on a throwaway parameter (zero gradient) and restores the group's
+    hyperparameters afterwards (FusedAdam counts steps in the group): the real parameters, which
+    ZeRO-3 keeps out of ``param_groups`` between steps, are not touched."""
+    group = base_optimizer.param_groups[group_index]
+    saved = dict(group)
+    dummy = torch.zeros(8, device=device, dtype=dtype, requires_grad=True)
+    dummy.grad = torch.zeros_like(dummy)
+    others = [g["params"] for g in base_optimizer.param_groups]
+    try:
+        for g in base_optimizer.param_groups:
+            g["params"] = []
+        group["params"] = [dummy]
+        base_optimizer.step()
+    finally:
+        for g, params in zip(base_optimizer.param_groups, others):
+            g["params"] = params
+        group.clear()
+        group.update(saved)
+        state = base_optimizer.state.pop(dummy, {})
+    return {k: v.dtype for k, v in state.items() if torch.is_tensor(v) and v.shape == dummy.shape}
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: Dict[int, List[Entry]]  # offloaded sub-group -> what moves
+    nbytes: Dict[int, int]  # offloaded sub-group -> bytes it moves each way
+    order: List[int]  # offloaded sub-groups, in the order the step updates them
+    resident: List[int]  # sub-groups kept on the device within memory_budget_gb
+    master_moves: List[bool]  # per sub-group: False where the fp32 master is the model's partition
+    slot_numel: Dict[torch.dtype, int]  # one staging slot: the largest offloaded region, per dtype
+    slot_bytes: int
+    grad_bytes: int  # the largest fp32 gradient the step builds for one sub-group
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+
+def compute_layout(opt, budget_bytes: int) -> Layout:
+    """The layout of ZeRO-3 optimizer ``opt``'s sub-groups, keeping the first ones resident while
+    their state fits ``budget_bytes``."""
+    masters = opt.fp32_partitioned_groups_flat
+    n = len(masters)
+    # Without mixed precision the fp32 master *is* the model's partition: it stays on the device.
+    master_moves = [masters[i] is not opt.fp16_partitioned_groups_flat[i] for i in range(n)]
+    states_by_group = {}
+    for g in sorted(set(opt.sub_group_to_group_id.values())):
+        sample = masters[next(i for i in range(n) if opt.sub_group_to_group_id[i] == g)]
+        states_by_group[g] = probe_state_layout(opt.optimizer, g, sample.device, sample.dtype)
+
+    def entries(i) -> List[Entry]:
+        numel = masters[i].numel()
+        out = [(MASTER, masters[i].dtype, numel)] if master_moves[i] else []
+        return out + [(k, dt, numel) for k, dt in states_by_group[opt.sub_group_to_group_id[i]].items()]
+
+    def nbytes(i) -> int:
+        return sum(numel * element_size(dt) for _, dt, numel in entries(i))
+
+    resident, kept = [], 0
+    for i in range(n):
+        if kept + nbytes(i) > budget_bytes:
+            break
+        resident.append(i)
+        kept += nbytes(i)
+    order = [i for i in range(n) if i not in resident and entries(i)]
+    slot_numel: Dict[torch.dtype, int] = {}
+    for i in order:
+        per_dtype: Dict[torch.dtype, int] = {}
+        for _, dt, numel in entries(i):
+            per_dtype[dt] = per_dtype.get(dt, 0) + numel
+        for dt, numel in per_dtype.items():
+            slot_numel[dt] = max(slot_numel.get(dt, 0), numel)
+    return Layout(entries={i: entries(i) for i in order},
+                  nbytes={i: nbytes(i) for i in order},
+                  order=order,
+                  resident=resident,
+                  master_moves=master_moves,
+                  slot_numel=slot_numel,
+                  slot_bytes=sum(numel * element_size(dt) for dt, numel in slot_numel.items()),
+                  grad_bytes=max((m.numel() * element_size(m.dtype) for m in masters), default=0))

@@ -1,0 +1,202 @@
+"""Where each offloaded sub-group's state is, as an explicit state machine, and what waits on what.
+
+Every offloaded ZeRO-3 sub-group has one ``Residency``::
+
+    ON_HOST ──load──▶ LOADING ──arrive──▶ ON_DEVICE ──updated──▶ UPDATED ──write_back──▶ WRITING_BACK
+       ▲                 │                    │                                              │
+       └────release──────┴────────────────────┘        (state unchanged: buffers dropped)    │
+       ▲                                                                                     │
+       └──────────────────────────────── landed (a CPU reader waited for it) ◀───────────────┘
+                         WRITING_BACK ──load──▶ LOADING  (the load waits for that write-back)
+
+``Residency.move`` is the one place a phase changes, and it refuses anything not drawn above.
+The ``ResidencyTable`` holds them all, the two staging slots and the copy executor, and its verbs
+are the only callers of ``move``; each verb decides what its copy waits for:
+
+- a load waits for the sub-group's own previous write-back, and for its destination: the slot's
+  last write-back, or (buffers of its own) the compute work queued before they were allocated;
+- ``arrive``: the compute stream waits for the load;
+- a write-back waits for the update (an event on the compute stream: no host wait);
+- ``drain``: the CPU waits for every write-back (before anything on the CPU reads host state).
+
+A sub-group's device buffers are a staging slot (shared, index 0 or 1) or buffers of its own
+(loaded early, ahead of the step). The DeepSpeed tensors' ``.data`` rebinding is not done here:
+the streamed step (``runtime/stream.py``) points them at ``view(i, key)`` or at the host store.
+"""
+
+import enum
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from .host_store import HostStore
+
+
+class Phase(enum.Enum):
+    ON_HOST = "on_host"  # the host store holds the newest state; no device buffers
+    LOADING = "loading"  # H2D into device buffers queued (maybe still running)
+    ON_DEVICE = "on_device"  # the compute stream has waited for the load; the step may update it
+    UPDATED = "updated"  # the step updated it in its device buffers; the host copy is stale
+    WRITING_BACK = "writing_back"  # D2H queued; the host store is the newest once it lands
+
+
+P = Phase
+LEGAL = frozenset({
+    (P.ON_HOST, P.LOADING),
+    (P.WRITING_BACK, P.LOADING),  # the load waits for the write-back
+    (P.LOADING, P.ON_DEVICE),
+    (P.ON_DEVICE, P.UPDATED),
+    (P.UPDATED, P.WRITING_BACK),
+    (P.WRITING_BACK, P.ON_HOST),
+    (P.LOADING, P.ON_HOST),  # released unused (a skipped step, a writer of host state)
+    (P.ON_DEVICE, P.ON_HOST),  # released by a step that raised before updating it
+})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class Residency:
+    """One sub-group: its phase, its device buffers and the events of its last copies."""
+
+    __slots__ = ("sub_group", "phase", "buffers", "slot", "early", "loaded", "updated", "written")
+
+    def __init__(self, sub_group: int):
+        self.sub_group = sub_group
+        self.phase = Phase.ON_HOST
+        self.buffers = None  # dtype -> device tensor, while LOADING/ON_DEVICE/UPDATED
+        self.slot: Optional[int] = None  # staging slot index, or None for buffers of its own
+        self.early = False  # loaded ahead of the step (own buffers or a prefetched slot)
+        self.loaded = None  # event: its H2D is done
+        self.updated = None  # event: the step's update of it is done
+        self.written = None  # event: its latest write-back is done
+
+    def move(self, to: Phase):
+        if (self.phase, to) not in LEGAL:
+            raise IllegalTransition(f"deepspeed-offload: sub-group {self.sub_group} cannot go from "
+                                    f"{self.phase.name} to {to.name}")
+        self.phase = to
+
+    @property
+    def on_device(self) -> bool:
+        return self.phase in (Phase.LOADING, Phase.ON_DEVICE, Phase.UPDATED)
+
+    def __repr__(self):
+        where = "own buffers" if self.slot is None else f"slot {self.slot}"
+        return f"Residency({self.sub_group}, {self.phase.name}{', ' + where if self.on_device else ''})"
+
+
+class ResidencyTable:
+    """Every offloaded sub-group's ``Residency``, the two staging slots, the copies between them."""
+
+    def __init__(self, store: HostStore, copies, slot_numel):
+        self.store = store
+        self.copies = copies
+        self.slot_numel = slot_numel
+        self.of: Dict[int, Residency] = {i: Residency(i) for i in store.slices}
+        self.slots: Optional[List[dict]] = None  # two dicts dtype -> buffer, while a step needs them
+        self.slot_free: List[object] = [None, None]  # per slot: what a load into it waits for
+        self.last_load = None  # event of the newest H2D
+        self.last_write = None  # event of the newest D2H
+
+    def __getitem__(self, i) -> Residency:
+        return self.of[i]
+
+    def in_phase(self, *phases: Phase) -> List[int]:
+        return [i for i, r in self.of.items() if r.phase in phases]
+
+    def view(self, i: int, key: str):
+        """Sub-group ``i``'s tensor ``key`` in its device buffers."""
+        r = self.of[i]
+        s = self.store.slices[i][key]
+        return r.buffers[s.dtype].narrow(0, s.offset, s.numel)
+
+    def _regions(self, i: int):
+        return {dt: self.store.region(i, dt) for dt in self.store.region_numel(i)}
+
+    # ------------------------------------------------------------------ transitions
+
+    def load(self, i: int, slot: Optional[int] = None, early: bool = False) -> Tuple[int, object]:
+        """H2D of sub-group ``i`` into staging slot ``slot``, or into buffers of its own (None).
+        Returns (bytes, span of a synchronous copy or None)."""
+        r = self.of[i]
+        r.move(Phase.LOADING)
+        if slot is None:
+            bufs, ready = self.copies.alloc(self.store.region_numel(i))
+        else:
+            if self.slots is None:
+                self._allocate_slots()
+            bufs, ready = self.slots[slot], self.slot_free[slot]
+        r.buffers, r.slot, r.early = bufs, slot, early
+        r.loaded, span = self.copies.h2d(bufs, self._regions(i), waits=(ready, r.written))
+        self.last_load = r.loaded
+        return self.store_bytes(i), span
+
+    def arrive(self, i: int):
+        """The compute stream waits for ``i``'s load; the step may now read and update it."""
+        r = self.of[i]
+        r.move(Phase.ON_DEVICE)
+        self.copies.compute_waits(r.loaded)
+
+    def mark_updated(self, i: int):
+        r = self.of[i]
+        r.move(Phase.UPDATED)
+        r.updated = self.copies.mark()
+
+    def write_back(self, i: int) -> Tuple[int, object]:
+        """D2H of ``i`` once its update is done; its device buffers are let go (a slot becomes
+        loadable again after this copy, buffers of its own return to the allocator after it).
+        Returns (bytes, span)."""
+        r = self.of[i]
+        r.move(Phase.WRITING_BACK)
+        r.written, span = self.copies.d2h(self._regions(i), r.buffers, waits=(r.updated, ))
+        if r.slot is not None:
+            self.slot_free[r.slot] = r.written
+        self.last_write = r.written
+        r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
+        return self.store_bytes(i), span
+
+    def release(self, i: int):
+        """Drop ``i``'s device copy unused: the host store still holds its state."""
+        r = self.of[i]
+        r.move(Phase.ON_HOST)
+        r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
+
+    def release_loaded(self) -> List[int]:
+        """Release every sub-group that is loading or loaded but not updated; returns them."""
+        out = self.in_phase(Phase.LOADING, Phase.ON_DEVICE)
+        for i in out:
+            self.release(i)
+        return out
+
+    def drain(self):
+        """Block until every write-back has landed in the host store."""
+        for i in self.in_phase(Phase.WRITING_BACK):
+            r = self.of[i]
+            self.copies.wait_host(r.written)
+            r.move(Phase.ON_HOST)
+
+    # ------------------------------------------------------------------ slots
+
+    def _allocate_slots(self):
+        self.slots, self.slot_free = [], []
+        for _ in range(2):
+            bufs, ready = self.copies.alloc(self.slot_numel)
+            self.slots.append(bufs)
+            self.slot_free.append(ready)
+
+    def free_slots(self):
+        """Hand both slots back to the allocator (their copies keep the blocks until they end)."""
+        held = [i for i, r in self.of.items() if r.on_device and r.slot is not None]
+        assert not held, f"deepspeed-offload: slots freed while sub-groups {held} are in them"
+        self.slots, self.slot_free = None, [None, None]
+
+    # ------------------------------------------------------------------ figures
+
+    def store_bytes(self, i: int) -> int:
+        return sum(self.store.region(i, dt).nbytes for dt in self.store.region_numel(i))
+
+    def early_bytes(self) -> int:
+        return sum(self.store_bytes(i) for i, r in self.of.items() if r.on_device and r.slot is None)
+
+    def phases(self, ids: Iterable[int] = None) -> Dict[int, Phase]:
+        return {i: self.of[i].phase for i in (ids if ids is not None else self.of)}

@@ -1,0 +1,251 @@
+"""The residency state machine on its own: legal and illegal transitions, what each copy waits for
+(recorded by a fake executor whose events are named objects), and the copies themselves (the real
+synchronous executor on CPU buffers)."""
+
+import pytest
+import torch
+
+from deepspeed_offload.runtime.copies import SyncCopies, make_copies
+from deepspeed_offload.runtime.host_store import MASTER, HostStore
+from deepspeed_offload.runtime.residency import LEGAL, IllegalTransition, Phase, Residency, ResidencyTable
+
+P = Phase
+
+
+class Event:
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+class RecordingCopies(SyncCopies):
+    """The synchronous executor (real copies), but every event is a named object and every wait is
+    recorded: (who waits, [events])."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+        self.n = 0
+
+    def _ev(self, kind):
+        self.n += 1
+        return Event(f"{kind}{self.n}")
+
+    def alloc(self, numel):
+        bufs, _ = super().alloc(numel)
+        return bufs, self._ev("alloc")
+
+    def h2d(self, dst, src, waits):
+        super().h2d(dst, src, waits)
+        ev = self._ev("h2d")
+        self.waits.append((ev.name, list(waits)))
+        return ev, None
+
+    def d2h(self, dst, src, waits):
+        super().d2h(dst, src, waits)
+        ev = self._ev("d2h")
+        self.waits.append((ev.name, list(waits)))
+        return ev, None
+
+    def mark(self):
+        return self._ev("update")
+
+    def compute_waits(self, event):
+        self.waits.append(("compute", [event]))
+
+    def wait_host(self, event):
+        self.waits.append(("host", [event]))
+
+
+def make_table(copies=None, groups=3, numel=4):
+    layout = {i: [(MASTER, torch.float32, numel), ("exp_avg", torch.float32, numel)] for i in range(groups)}
+    store = HostStore(layout, pin_memory=False)
+    for i in range(groups):
+        store.region(i, torch.float32).fill_(float(i))
+    slot_numel = {torch.float32: 2 * numel}
+    return ResidencyTable(store, copies or RecordingCopies(), slot_numel)
+
+
+def test_every_legal_transition_and_nothing_else():
+    for a in Phase:
+        for b in Phase:
+            r = Residency(7)
+            r.phase = a
+            if (a, b) in LEGAL:
+                r.move(b)
+                assert r.phase is b
+            else:
+                with pytest.raises(IllegalTransition, match=f"sub-group 7 cannot go from {a.name} to {b.name}"):
+                    r.move(b)
+                assert r.phase is a  # unchanged by a refused move
+
+
+def test_illegal_verbs_are_refused_by_the_table():
+    t = make_table()
+    with pytest.raises(IllegalTransition):
+        t.arrive(0)  # never loaded
+    with pytest.raises(IllegalTransition):
+        t.write_back(0)  # never updated
+    t.load(0)
+    with pytest.raises(IllegalTransition):
+        t.load(0)  # loaded twice
+    with pytest.raises(IllegalTransition):
+        t.mark_updated(0)  # the compute stream has not waited for the load
+    t.arrive(0)
+    t.mark_updated(0)
+    with pytest.raises(IllegalTransition):
+        t.release(0)  # updated state cannot be dropped: it must be written back
+
+
+def test_own_buffers_round_trip_and_what_each_copy_waits_for():
+    copies = RecordingCopies()
+    t = make_table(copies)
+    nbytes, _ = t.load(1, early=True)
+    assert nbytes == 2 * 4 * 4 and t[1].phase is P.LOADING and t[1].slot is None and t[1].early
+    # into buffers of its own: after the compute work queued before their allocation; no earlier write-back
+    assert copies.waits[-1] == ("h2d2", [copies.waits[-1][1][0], None]) and copies.waits[-1][1][0].name == "alloc1"
+    t.arrive(1)
+    assert copies.waits[-1] == ("compute", [t[1].loaded]) and t[1].phase is P.ON_DEVICE
+    t.view(1, "exp_avg").add_(10)  # the "update"
+    t.mark_updated(1)
+    updated = t[1].updated
+    t.write_back(1)
+    assert copies.waits[-1] == ("d2h4", [updated]) and t[1].phase is P.WRITING_BACK and t[1].buffers is None
+    written = t[1].written
+    assert t.store.view(1, "exp_avg").tolist() == [11.0] * 4 and t.store.view(1, MASTER).tolist() == [1.0] * 4
+    # the next load of the same sub-group waits for its own write-back
+    t.load(1)
+    assert copies.waits[-1][1][1] is written
+    t.release(1)
+    assert t[1].phase is P.ON_HOST and t[1].buffers is None
+
+
+def test_slots_wait_for_their_previous_write_back():
+    copies = RecordingCopies()
+    t = make_table(copies)
+    t.load(0, slot=0)
+    slot0_allocated = copies.waits[-1][1][0]
+    assert slot0_allocated.name.startswith("alloc") and t.slots is not None
+    t.arrive(0)
+    t.mark_updated(0)
+    t.write_back(0)
+    freed = t[0].written
+    assert t.slot_free[0] is freed
+    t.load(2, slot=0)  # another sub-group into the same slot: after sub-group 0 left it
+    assert copies.waits[-1][1] == [freed, None]
+    t.arrive(2)
+    assert t.view(2, MASTER).tolist() == [2.0] * 4  # the slot holds sub-group 2 now
+    with pytest.raises(AssertionError, match="slots freed while sub-groups \\[2\\]"):
+        t.free_slots()
+    t.mark_updated(2)
+    t.write_back(2)
+    t.free_slots()
+    assert t.slots is None
+
+
+def test_release_keeps_the_host_copy_and_drain_waits_for_every_write_back():
+    copies = RecordingCopies()
+    t = make_table(copies)
+    t.load(0)
+    t.load(1, slot=1)
+    t.arrive(1)
+    t.view(1, MASTER).fill_(-1)  # changed on the device, never marked updated: dropped
+    assert sorted(t.release_loaded()) == [0, 1]
+    assert t.store.view(1, MASTER).tolist() == [1.0] * 4 and t.early_bytes() == 0
+    for i in (0, 2):
+        t.load(i)
+        t.arrive(i)
+        t.mark_updated(i)
+        t.write_back(i)
+    written = [t[0].written, t[2].written]
+    t.drain()
+    assert [e for who, evs in copies.waits if who == "host" for e in evs] == written
+    assert set(t.phases().values()) == {P.ON_HOST}
+
+
+def test_early_bytes_count_own_buffers_only():
+    t = make_table()
+    t.load(0, slot=0)
+    t.load(1)
+    t.load(2)
+    assert t.early_bytes() == 2 * t.store_bytes(1)
+
+
+def test_the_cpu_accelerator_gets_the_synchronous_executor():
+    copies = make_copies()
+    assert copies.synchronous and isinstance(copies, SyncCopies)
+    a, b = copies.clock(), copies.clock()
+    assert copies.elapsed(a, b) >= 0
+
+
+# ---------------------------------------------------------------------- on a GPU: the waits are real
+
+SPIN = int(2e8)  # cycles of torch.cuda._sleep: ~0.1 s of compute stream work before the update
+
+
+def _gpu_table(numel=1 << 20):
+    from deepspeed_offload.runtime.copies import AsyncCopies
+    layout = {i: [(MASTER, torch.float32, numel), ("exp_avg", torch.float32, numel)] for i in range(2)}
+    store = HostStore(layout, pin_memory=True)
+    for i in range(2):
+        store.region(i, torch.float32).fill_(10.0 * i)
+    return ResidencyTable(store, AsyncCopies(), {torch.float32: 2 * numel})
+
+
+def _without_waits(table):
+    """The negative control: every H2D ignores what it should wait for."""
+    real = table.copies.h2d
+    table.copies.h2d = lambda dst, src, waits: real(dst, src, ())
+
+
+def _slow_update(t, i):
+    torch.cuda._sleep(SPIN)  # the compute stream is busy: the update lands late
+    t.view(i, MASTER).add_(1)
+    t.view(i, "exp_avg").add_(1)
+    t.mark_updated(i)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams and events)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_waits"])
+def test_gpu_a_load_waits_for_its_own_previous_write_back(control):
+    t = _gpu_table()
+    if control:
+        _without_waits(t)
+    t.load(1)
+    t.arrive(1)
+    _slow_update(t, 1)
+    t.write_back(1)  # D2H after the late update
+    t.load(1)  # must read what that write-back writes, not the host copy from before
+    t.arrive(1)
+    torch.cuda.synchronize()
+    fresh = torch.equal(t.view(1, MASTER).cpu(), torch.full((1 << 20, ), 11.0))
+    assert fresh is not control, "the control must see the race: widen SPIN" if control else "loaded stale state"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_waits"])
+def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
+    t = _gpu_table()
+    if control:
+        _without_waits(t)
+    t.load(0, slot=0)
+    t.arrive(0)
+    _slow_update(t, 0)
+    t.write_back(0)  # D2H from slot 0 after the late update
+    t.load(1, slot=0)  # must not overwrite slot 0 before that D2H has read it
+    t.arrive(1)
+    torch.cuda.synchronize()
+    t.drain()
+    host0 = t.store.view(0, MASTER)
+    intact = torch.equal(host0, torch.full_like(host0, 1.0)) and torch.equal(t.view(1, MASTER).cpu(),
+                                                                              torch.full((1 << 20, ), 10.0))
+    assert intact is not control, "the control must see the race: widen SPIN" if control else \
+        "slot 0 was overwritten before its write-back"
