@@ -27,7 +27,7 @@ while DeepCompile profiles, so a nonzero count means the compiled graph executed
 
 from typing import Dict
 
-from deepspeed.utils.logging import print_dist
+from deepspeed.utils import log_dist
 
 from ..runtime.stream import StreamMode
 from . import ops
@@ -63,8 +63,8 @@ class CompileMode(StreamMode):
         self._empty_cache_armed = False
         ops.register_ops()
         ops.bind(self)
-        print_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
-                   ranks=[0])
+        log_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
+                 ranks=[0])
 
     def detach(self):
         ops.unbind(self)

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils.logging import print_dist
+from deepspeed.utils import log_dist
 
 from ..config import OffloadConfig, format_bytes
 from .checkpoint import AsyncCheckpointer
@@ -130,12 +130,12 @@ class StreamMode:
         self.checkpointer = AsyncCheckpointer(engine, self.store.buffers.values()) if cfg.async_checkpoint else None
         pinned = ", ".join(f"{dt}: {format_bytes(b)}" for dt, b in self.store.nbytes_by_dtype.items())
         n = len(self.opt.fp32_partitioned_groups_flat)
-        # print_dist, not log_dist: the attach line is shown whatever DeepSpeed's log level (WARNING by default)
-        print_dist(f"[deepspeed-offload] stream mode: {len(self.order)} of {n} sub-groups offloaded "
-                   f"({len(self.resident)} resident within the budget), "
-                   f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, host store {pinned} "
-                   f"(pinned={cfg.pin_memory}), 2 staging slots of {format_bytes(self.slot_bytes)}, "
-                   f"overlap={'on' if self.overlap else 'off'}", ranks=[0])
+        # INFO, like DeepSpeed's own attach lines: shown once the user sets DeepSpeed's logger to info.
+        log_dist(f"[deepspeed-offload] stream mode: {len(self.order)} of {n} sub-groups offloaded "
+                 f"({len(self.resident)} resident within the budget), "
+                 f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, host store {pinned} "
+                 f"(pinned={cfg.pin_memory}), 2 staging slots of {format_bytes(self.slot_bytes)}, "
+                 f"overlap={'on' if self.overlap else 'off'}", ranks=[0])
 
     def _resident_budget_bytes(self) -> int:
         if self.cfg.memory_budget_gb is not None:
