@@ -169,11 +169,12 @@ class ResidencyTable:
         return out
 
     def drain(self):
-        """Block until every write-back has landed in the host store."""
+        """Block until every write-back has landed in the host store. The D2H copies run in order
+        on one stream, so the newest one's event covers them all, including the write-back of a
+        sub-group already loading again (WRITING_BACK -> LOADING keeps no other trace of it)."""
+        self.copies.wait_host(self.last_write)
         for i in self.in_phase(Phase.WRITING_BACK):
-            r = self.of[i]
-            self.copies.wait_host(r.written)
-            r.move(Phase.ON_HOST)
+            self.of[i].move(Phase.ON_HOST)
 
     # ------------------------------------------------------------------ slots
 

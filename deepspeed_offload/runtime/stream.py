@@ -124,6 +124,10 @@ class StreamMode:
         # Move what exists now (masters; states too if the optimizer already stepped or loaded).
         self._all_to_host()
         self.acc.empty_cache()
+        if not self.copies.synchronous:
+            # The derived early-load limit is the peak seen since attach: DeepSpeed's init peaked with
+            # the whole fp32 state on the device, which would let early loads climb back up to it.
+            self.acc.reset_peak_memory_stats()
         self.patches = PatchRegistry()
         self._install_hooks()
         # The checkpointer's engine hooks are in a registry of its own: close() takes them off.
@@ -289,12 +293,16 @@ class StreamMode:
 
     def _early_limit(self) -> Optional[int]:
         """With ``overlap_memory_gb`` unset, early loads keep the device's allocated memory under
-        the peak seen so far (this process's, never reset by us) less what the rest of backward
-        and the step still allocate: the largest fp32 gradient and the two slots. So the
-        iteration's peak does not rise. None (no limit) on the CPU accelerator."""
+        the peak seen since attach (reset once there) less what the rest of backward and the step
+        still allocate on top: the two slots, the step's fp32 gradient of the largest sub-group
+        with the flattened 16-bit gradient it is built from (1.5x), and at the first step the
+        moments the optimizer creates for it (2x). So the iteration's peak does not rise. None (no
+        limit) on the CPU accelerator."""
         if self.early_cap is not None or self.copies.synchronous:
             return None
-        return self.acc.max_memory_allocated() - self.layout.grad_bytes - 2 * self.slot_bytes
+        grad = self.layout.grad_bytes
+        reserve = 2 * self.slot_bytes + grad * 3 // 2 + (2 * grad if self.steps == 0 else 0)
+        return self.acc.max_memory_allocated() - reserve
 
     def _load(self, i, slot, early):
         if self.stats is None:
@@ -484,5 +492,7 @@ class StreamMode:
     def step_stats(self) -> Optional[Dict[str, float]]:
         """The last step that ran: bytes moved each way, sub-groups loaded early (in backward) and in
         the step, seconds the compute stream waited for loads, updating and writing back; None
-        before one. A skipped step leaves the previous step's figures."""
+        before one. A skipped step leaves the previous step's figures. Reading the timings waits
+        for that step's write-backs to land (they would otherwise drain during the next forward):
+        call it every few steps, not every step, where that overlap matters."""
         return None if self.last_stats is None else self.last_stats.resolve()

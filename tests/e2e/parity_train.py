@@ -12,6 +12,7 @@ process, from the same seed, and writes ``{"variants": [result, ...]}``: one lau
 per run.
 """
 
+import gc
 import glob
 import json
 import os
@@ -181,7 +182,11 @@ def detach_and_check(engine):
 def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
     if spec.get("variants"):
-        result = {"variants": [train(dict(spec, **variant)) for variant in spec["variants"]]}
+        result = {"variants": []}
+        for variant in spec["variants"]:
+            result["variants"].append(train(dict(spec, **variant)))
+            gc.collect()  # the last variant's engine and its device memory gone before the next one's
+            get_accelerator().empty_cache()
     else:
         result = train(spec)
     if deepspeed.comm.get_rank() == 0:
@@ -262,7 +267,9 @@ def train(spec):
             losses.append(loss.item())
             handle = deepspeed_offload.get_handle(engine)
             if handle is not None and micro == gas - 1:
-                step_stats.append(handle.step_stats())
+                # The stats object, resolved after training: resolving reads the copies' events,
+                # which would wait for this step's write-backs before the next forward starts.
+                step_stats.append(handle.last_stats)
             if step == spec.get("detach_after") and micro == gas - 1:
                 result_extra["detach"] = detach_and_check(engine)
         for save in spec.get("saves", []):
@@ -270,6 +277,7 @@ def train(spec):
                 checkpoint(engine, save)
 
     deepspeed_offload.wait_for_checkpoint(engine)
+    step_stats = [None if s is None else s.resolve() for s in step_stats]
     result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats,
               "loaded_into_store": loaded_into_store, **result_extra}
     for name, p in engine.module.named_parameters():

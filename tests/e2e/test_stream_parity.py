@@ -118,7 +118,10 @@ def check_stats(spec, name, ours):
     if spec.get("overflow_step") is not None:
         assert ours["losses"][spec["overflow_step"]] == float("inf")
         assert handle["steps"] == spec["steps"] - 1  # the skipped step moved nothing
-        assert handle["released_unused"] > 0 or name == "overlap_off_no_prefetch"
+        # Something was loaded ahead of the skipped step and given back: certain where the early
+        # loads do not depend on the device's memory (the CPU, a fixed cap, the two prefetched slots).
+        if name in ("overlap_tiny", "overlap_off") or (name == "overlap" and ON_CPU):
+            assert handle["released_unused"] > 0, (name, handle)
     assert {"exp_avg", "exp_avg_sq"} <= set(handle["keys"])
     # The moments always move; the master too under mixed precision. (In fp32 DeepSpeed may make the
     # master the model's own partition, which must stay where the model is.)

@@ -160,9 +160,10 @@ def test_release_keeps_the_host_copy_and_drain_waits_for_every_write_back():
         t.arrive(i)
         t.mark_updated(i)
         t.write_back(i)
-    written = [t[0].written, t[2].written]
     t.drain()
-    assert [e for who, evs in copies.waits if who == "host" for e in evs] == written
+    # one D2H stream, copies in order: the newest write-back's event covers both
+    assert [e for who, evs in copies.waits if who == "host" for e in evs] == [t.last_write]
+    assert t.last_write is t[2].written
     assert set(t.phases().values()) == {P.ON_HOST}
 
 
@@ -213,15 +214,23 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_waits"])
+@pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_the_write_back_wait"])
 def test_gpu_a_load_waits_for_its_own_previous_write_back(control):
+    """The update is quick and the write-back slow (the D2H stream is kept busy first), so only the
+    wait on the sub-group's own write-back orders the next load after it: the control drops that one
+    wait and keeps the other (the new buffers' allocation), and must load the stale host copy."""
     t = _gpu_table()
     if control:
-        _without_waits(t)
+        real = t.copies.h2d
+        t.copies.h2d = lambda dst, src, waits: real(dst, src, tuple(waits)[:1])
     t.load(1)
     t.arrive(1)
-    _slow_update(t, 1)
-    t.write_back(1)  # D2H after the late update
+    t.view(1, MASTER).add_(1)
+    t.view(1, "exp_avg").add_(1)
+    t.mark_updated(1)
+    with torch.cuda.stream(t.copies.d2h_stream):
+        torch.cuda._sleep(SPIN)  # the write-back below lands late
+    t.write_back(1)
     t.load(1)  # must read what that write-back writes, not the host copy from before
     t.arrive(1)
     torch.cuda.synchronize()
@@ -249,3 +258,19 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
                                                                               torch.full((1 << 20, ), 10.0))
     assert intact is not control, "the control must see the race: widen SPIN" if control else \
         "slot 0 was overwritten before its write-back"
+
+
+def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
+    """A load may start before the sub-group's last write-back landed (the copy waits for it on the
+    device): a CPU reader draining then must still wait for that write-back."""
+    copies = RecordingCopies()
+    t = make_table(copies)
+    t.load(0)
+    t.arrive(0)
+    t.mark_updated(0)
+    t.write_back(0)
+    written = t[0].written
+    t.load(0, early=True)  # WRITING_BACK -> LOADING: nothing in WRITING_BACK any more
+    assert t.in_phase(P.WRITING_BACK) == []
+    t.drain()
+    assert ("host", [written]) in copies.waits
