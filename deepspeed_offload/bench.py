@@ -930,14 +930,8 @@ def plot_sweep(summary, path):
             ax.errorbar([peak(m)], [res[m]["iter_s"]], yerr=_spread_err(res, [m], "iter_s"), marker=marker,
                         linestyle="none", capsize=3, markersize=9 if marker == "*" else 7,
                         label=m if m != "compiled" else "compiled (DeepCompile, no offload)")
-    ax.set_xlabel("iteration peak GPU memory, GiB")
-    ax.set_ylabel("iteration time, s (median, min-max)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"compile-mode budget sweep, {summary.get('device', '')} {summary['date']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, "iteration peak GPU memory, GiB", "iteration time, s (median, min-max)",
+            f"compile-mode budget sweep, {summary.get('device', '')} {summary['date']}", path)
     return True
 
 
@@ -958,15 +952,21 @@ def plot_timeline(summary, path):
                 ax.axvline(tl["marks_s"][k], color=color, linestyle=ls, alpha=0.6, linewidth=1)
     for k, ls in styles.items():
         ax.plot([], [], color="gray", linestyle=ls, label=f"{k} starts" if k != "end" else "step ends")
-    ax.set_xlabel("time since the start of forward, s")
-    ax.set_ylabel("GPU memory allocated, GiB")
+    _finish(plt, fig, ax, "time since the start of forward, s", "GPU memory allocated, GiB",
+            f"one iteration, {summary.get('device', '')} {summary['date']}", path)
+    return True
+
+
+def _finish(plt, fig, ax, xlabel, ylabel, title, path):
+    """Labels, grid, legend and title of a one-panel chart; written to ``path``."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"one iteration, {summary.get('device', '')} {summary['date']}", fontsize=10)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
 if __name__ == "__main__":

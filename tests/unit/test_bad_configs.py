@@ -4,7 +4,6 @@ key, raised before any process group exists). Cases are what users hit: values D
 models refuse after the process group exists, Hugging Face "auto" placeholders, DeepSpeed's
 deprecated aliases, unreadable files. And a ConfigError crosses process boundaries intact."""
 
-import copy
 import functools
 import json
 import multiprocessing
@@ -17,6 +16,8 @@ import torch
 import torch.distributed as torch_dist
 
 import deepspeed_offload
+from ds_configs import with_paths
+
 from deepspeed_offload import ConfigError
 from deepspeed_offload import config as cfgmod
 from deepspeed_offload.cli import main as cli_main
@@ -30,17 +31,7 @@ GOOD = {
 
 def with_(**paths):
     """Copy of GOOD with dotted-path keys set (``zero_optimization__stage=2``); None deletes."""
-    cfg = copy.deepcopy(GOOD)
-    for dotted, value in paths.items():
-        keys = dotted.split("__")
-        d = cfg
-        for k in keys[:-1]:
-            d = d.setdefault(k, {})
-        if value is None:
-            d.pop(keys[-1], None)
-        else:
-            d[keys[-1]] = value
-    return cfg
+    return with_paths(GOOD, **paths)
 
 
 def block(**kw):

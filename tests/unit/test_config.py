@@ -1,12 +1,13 @@
 """Validation of the block and of its neighbours: every case of the README's "What is rejected" list (docs/troubleshooting.md) is a
 ConfigError naming the key, and ``deepspeed-offload check`` exits 2 with that message."""
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from ds_configs import with_paths
 
 from deepspeed_offload import ConfigError, OffloadConfig
 from deepspeed_offload import config as cfgmod
@@ -23,14 +24,7 @@ GOOD = {
 
 def with_(base=GOOD, **paths):
     """Copy of ``base`` with dotted-path keys set (``zero_optimization__stage=2``)."""
-    cfg = copy.deepcopy(base)
-    for dotted, value in paths.items():
-        keys = dotted.split("__")
-        d = cfg
-        for k in keys[:-1]:
-            d = d.setdefault(k, {})
-        d[keys[-1]] = value
-    return cfg
+    return with_paths(base, **paths)
 
 
 def check(tmp_path, cfg, *extra):
