@@ -7,6 +7,10 @@ written. The frameworks act on checkpoint folders right after saving:
 - HF Trainer (``Trainer._save_checkpoint``, transformers 5.x): ``save_checkpoint`` into
   ``checkpoint-N``, RNG and trainer state, then on the saving rank ``_push_from_checkpoint`` (uploads
   the folder) and ``rotate_checkpoints`` (deletes the oldest folders down to ``save_total_limit``);
+  at the end of ``train()``, ``sort_checkpoints`` then ``rmtree`` of every checkpoint but the best
+  (``save_total_limit=1``); ``Trainer.push_to_hub``: ``save_model`` (which may call
+  ``save_checkpoint``), then an upload of ``output_dir`` through ``hf_api()``. (transformers 4.x:
+  the methods ``_rotate_checkpoints`` and ``_sorted_checkpoints``, and ``upload_folder``);
 - Accelerate ``Accelerator.save_state``: with ``total_limit`` it deletes the oldest folders on the
   main process *before* it saves the new state;
 - Lightning ``ModelCheckpoint``: ``strategy.remove_checkpoint(previous)`` after saving the new one.
@@ -15,8 +19,14 @@ Each of those steps is wrapped to wait first. The HF and Lightning steps run on 
 so they wait without collectives: the rank joins its own writer, and on global rank 0 that includes
 committing ``latest``, which waits for every rank's files. If a write failed there, the deletion or
 upload is skipped (the previous checkpoint stays) and the failure is raised on every rank at the next
-``engine.step()``. ``Accelerator.save_state`` runs on every rank, so it waits with
-``wait_for_checkpoint`` (collective: a failure raises on every rank before anything is deleted).
+``engine.step()``; an upload through ``hf_api()``/``upload_folder``, which cannot be skipped, raises
+``CheckpointWriteError`` on that rank instead. ``Accelerator.save_state`` runs on every rank, so it
+waits with ``wait_for_checkpoint`` (collective: a failure raises on every rank before anything is
+deleted).
+
+Callbacks and loggers that upload in ``on_save`` (W&B, MLflow, Comet, ClearML; Lightning loggers with
+``log_model="all"``) are not guarded: making every save wait would make every save synchronous.
+``finish_writes_here()`` is the rank-local wait to call from such a callback (docs/integrations.md).
 
 ``install()`` puts these guards on the frameworks already imported and, at each patched
 ``deepspeed.initialize``, on those imported since; ``uninstall()`` removes them.
@@ -28,13 +38,15 @@ import sys
 from deepspeed.utils import logger
 
 from .api import attached_engines, get_handle
-from .runtime.checkpoint import wait_for_checkpoint
+from .runtime.checkpoint import CheckpointWriteError, wait_for_checkpoint
 
 
 def finish_writes_here():
     """Wait, on this rank only (no collective), for the asynchronous checkpoint writes of every
     engine of the process; on global rank 0 that includes the commit of ``latest``, which waits for
-    the files of every rank. Returns the write failures this rank knows of (empty: all written)."""
+    the files of every rank. Returns the write failures this rank knows of (empty: all written);
+    they stay pending and are still raised on every rank at the next step, save, load or wait.
+    Safe to call from code that runs on some ranks only (a callback before an upload)."""
     errors = []
     for engine in attached_engines():
         ckpt = getattr(get_handle(engine), "checkpointer", None)
@@ -46,19 +58,38 @@ def finish_writes_here():
     return errors
 
 
-def _after_writes(what, skip_on_failure=True):
+def _after_writes(what, skipped=None):
     """Wrap a rank-local step that deletes or uploads checkpoint folders: wait for the writes first;
-    skip the step if a write failed (the error is raised on every rank at the next engine.step())."""
+    skip the step if a write failed, returning ``skipped`` (the error is raised on every rank at the
+    next engine.step())."""
 
     def make(original):
 
         @functools.wraps(original)
         def guarded(*args, **kwargs):
             errors = finish_writes_here()
-            if errors and skip_on_failure:
+            if errors:
                 logger.error(f"[deepspeed-offload] {what} skipped, an asynchronous checkpoint write failed: "
                              f"{errors[0]}. The previous checkpoints are kept.")
-                return None
+                return skipped() if callable(skipped) else skipped
+            return original(*args, **kwargs)
+
+        return guarded
+
+    return make
+
+
+def _before_upload(what):
+    """Wrap a rank-local call that an upload goes through and that cannot be skipped (it returns the
+    API object): wait for the writes first; if one failed, raise on this rank rather than upload."""
+
+    def make(original):
+
+        @functools.wraps(original)
+        def guarded(*args, **kwargs):
+            errors = finish_writes_here()
+            if errors:
+                raise CheckpointWriteError(f"{what} refused, an asynchronous checkpoint write failed: {errors[0]}")
             return original(*args, **kwargs)
 
         return guarded
@@ -82,15 +113,29 @@ def _guard_transformers(registry, trainer_module):
     trainer_cls = getattr(trainer_module, "Trainer", None)
     if trainer_cls is None:
         return
-    if hasattr(trainer_cls, "_rotate_checkpoints"):  # transformers 4.x: a method
+    # Deleting: rotation after each save; at the end of train() (save_total_limit=1 with a best
+    # checkpoint) every folder that sorting returns but the best is removed: skipped = sorted nothing.
+    # transformers 4.46-4.x: Trainer methods; 5.x: trainer_utils' functions, looked up in trainer.py.
+    if hasattr(trainer_cls, "_rotate_checkpoints"):
         _patch_once(registry, trainer_cls, "_rotate_checkpoints", _after_writes("checkpoint rotation"))
-    elif hasattr(trainer_module, "rotate_checkpoints"):  # 5.x: trainer_utils' function, looked up in trainer.py
+        if hasattr(trainer_cls, "_sorted_checkpoints"):
+            _patch_once(registry, trainer_cls, "_sorted_checkpoints",
+                        _after_writes("removing older checkpoints at the end of training", skipped=list))
+    elif hasattr(trainer_module, "rotate_checkpoints"):
         _patch_once(registry, trainer_module, "rotate_checkpoints", _after_writes("checkpoint rotation"))
+        if hasattr(trainer_module, "sort_checkpoints"):
+            _patch_once(registry, trainer_module, "sort_checkpoints",
+                        _after_writes("removing older checkpoints at the end of training", skipped=list))
     else:
         logger.warning("[deepspeed-offload] this transformers Trainer rotates checkpoints in a way this version "
                        "does not know: set save_total_limit=None with async_checkpoint")
+    # Uploading: after each save (rank 0), and Trainer.push_to_hub: save_model, then an upload of
+    # output_dir through hf_api() (5.x) or upload_folder (4.x), on world rank 0 only.
     if hasattr(trainer_cls, "_push_from_checkpoint"):
         _patch_once(registry, trainer_cls, "_push_from_checkpoint", _after_writes("push_to_hub of the checkpoint"))
+    for upload in ("hf_api", "upload_folder"):
+        if callable(getattr(trainer_module, upload, None)):
+            _patch_once(registry, trainer_module, upload, _before_upload("uploading to the Hub"))
 
 
 def _guard_accelerate(registry, accelerator_module):

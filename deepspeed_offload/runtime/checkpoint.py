@@ -32,27 +32,39 @@ The protocol, per save (every rank takes part, like DeepSpeed's own save):
   its own clock, by watching the file's mtime *change*, so clock skew between nodes does not
   matter). ``DS_OFFLOAD_COMMIT_TIMEOUT`` (600 s) bounds a rank that is alive but never finishes;
 - the commit (rank 0, once every marker with this save id is there): a journal
-  ``<save_dir>/.deepspeed_offload_commit.json`` names the tag and save id; an existing ``<tag>``
-  directory is renamed aside to ``.<tag>.replaced-<save id>``, the staging directory is renamed to
-  ``<tag>``, ``latest`` is written (temp file + rename), the journal and the replaced directory are
-  removed, and so are the staging directories that earlier failed or killed saves left behind
-  (their ``.tmp`` files with them). A save into the tag that ``latest`` names (Lightning's
-  ``last.ckpt/checkpoint``) therefore replaces it in two renames, never file by file. If the
-  process dies between those two renames, ``<tag>`` is briefly missing: the next
+  ``<save_dir>/.deepspeed_offload_commit.<tag>.json`` names the tag and save id; an existing
+  ``<tag>`` directory is renamed aside to ``.<tag>.replaced-<save id>``, the staging directory is
+  renamed to ``<tag>``, ``latest`` is written (temp file + rename), the journal and the replaced
+  directory are removed, and so are the staging directories of this tag that earlier failed or
+  killed saves left behind (their ``.tmp`` files with them). A save into the tag that ``latest``
+  names (Lightning's ``last.ckpt/checkpoint``) therefore replaces it in two renames, never file by
+  file. If the process dies between those two renames, ``<tag>`` is briefly missing: the next
   ``load_checkpoint`` or ``save_checkpoint`` through this package reads the journal and finishes
   (the staging directory is complete by then) or undoes the swap. A kill at any other instant leaves
-  ``<tag>`` and ``latest`` as they were.
+  ``<tag>`` and ``latest`` as they were. Everything a save removes or swaps is named by its own tag
+  (journal, staging and replaced directories), under one lock of the process: two engines saving
+  different tags into one folder (Accelerate's ``save_state`` with two engines) leave each other's
+  files alone;
+- cleaning up: at the start of a save, rank 0 finishes interrupted swaps and removes what earlier
+  saves of the same tag left; once the ranks have agreed that a save failed (every rank's writer
+  joined), rank 0 removes that save's staging directory, so a failed save leaves nothing behind
+  even when no later save goes to the same folder (HF's ``checkpoint-N``, Lightning's
+  ``epoch=...ckpt``);
 - failures are raised on every rank at once (the ranks agree through one small all-reduce, and only
   after a failure exchange the messages, so each rank's error names the failing rank, the path and
   the cause, e.g. ``No space left on device``), at the first ``engine.step()`` after the save, the
-  next save or load, or ``wait_for_checkpoint``. A failed write removes its ``.tmp`` files; the
-  previous checkpoint stays loadable.
+  next save or load, or ``wait_for_checkpoint``. A failed write removes its ``.tmp`` files at once
+  (the rest of the failed save goes once the ranks have agreed); the previous checkpoint stays
+  loadable.
 - at interpreter exit the writer is waited for (it is not a daemon thread). If this rank's write or
-  commit failed, the error is logged and the process exits with status 1 (``os._exit``), so a
+  commit failed, the error is logged (the logs flushed) and the process exits with status 1
+  (``os._exit``), so a
   launcher sees it. ``os._exit`` cannot be intercepted: a script that ends with it must call
   ``deepspeed_offload.wait_for_checkpoint(engine)`` first.
 
-At load, before DeepSpeed's loader runs, a tag written by this package is verified: every rank's
+At load, before DeepSpeed's loader runs, the tag is resolved once (``tag``, or the one that
+``latest``, ``latest_universal`` for a universal checkpoint, names) and handed to DeepSpeed's loader
+as such, so the tag verified is the tag loaded. A tag written by this package is verified: every rank's
 marker present and from the same save, every file the size its marker says, no stray checkpoint
 file from another save, and every file's digest (each rank re-hashes a share of the files). Any
 failure is raised on every rank (agreed, as above), naming the rank and the file; nothing hangs.
@@ -68,9 +80,9 @@ import argparse
 import atexit
 import copy
 import errno
-import glob
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -96,9 +108,9 @@ _CHUNK = 8 << 20
 MARKER = ".deepspeed_offload_rank{}.json"
 FAILED = ".deepspeed_offload_rank{}.failed"
 ALIVE = ".deepspeed_offload_rank{}.alive"
-JOURNAL = ".deepspeed_offload_commit.json"
+JOURNAL = ".deepspeed_offload_commit.{}.json"  # one per tag: engines saving into one folder
+_JOURNAL_RE = re.compile(r"^\.deepspeed_offload_commit(\..+)?\.json$")
 _MARKER_RE = re.compile(r"^\.deepspeed_offload_rank(\d+)\.json$")
-_ASIDE_RE = re.compile(r"^\..+\.(incoming|replaced)-[0-9a-f]{16}$")
 _CKPT_FILE_RE = re.compile(r"_(model|optim)_states\.pt$")
 
 # Test-only switches (tests/e2e): a pause before serializing a file and before renaming it (for tags
@@ -109,6 +121,9 @@ _TEST_DELAY_TAG = os.environ.get("DS_OFFLOAD_TEST_DELAY_TAG", "")
 _TEST_NO_GUARD = os.environ.get("DS_OFFLOAD_TEST_NO_GUARD") == "1"
 
 _live = weakref.WeakSet()
+# Swaps, recoveries and removals of one process (every engine's rank 0) one at a time: another
+# engine's save must never see a swap half done, or lose a ``.tmp`` it is about to rename.
+_SWAP_LOCK = threading.RLock()
 
 
 class CheckpointWriteError(RuntimeError):
@@ -129,9 +144,12 @@ def _test_pause(path):
 
 
 def describe_os_error(e: BaseException, path: str) -> str:
-    """``No space left on device (ENOSPC): <path>``: the errno's text first, then the path."""
+    """``No space left on device (ENOSPC): <path>``: the errno's text first, then the path. Our own
+    errors (which name their paths) as they are; anything else with its type and ``path``."""
     if isinstance(e, OSError) and e.errno is not None:
         return f"{os.strerror(e.errno)} ({errno.errorcode.get(e.errno, e.errno)}): {getattr(e, 'filename', None) or path}"
+    if isinstance(e, (CheckpointWriteError, TimeoutError)):
+        return str(e)
     return f"{e!r} ({path})"
 
 
@@ -255,12 +273,20 @@ def _remove(path):
         pass
 
 
+def _flat(tag) -> str:
+    return str(tag).replace(os.sep, "_")
+
+
 def staging_dir(save_dir, tag, save_id) -> str:
-    return os.path.join(save_dir, f".{str(tag).replace(os.sep, '_')}.incoming-{save_id}")
+    return os.path.join(save_dir, f".{_flat(tag)}.incoming-{save_id}")
 
 
 def replaced_dir(save_dir, tag, save_id) -> str:
-    return os.path.join(save_dir, f".{str(tag).replace(os.sep, '_')}.replaced-{save_id}")
+    return os.path.join(save_dir, f".{_flat(tag)}.replaced-{save_id}")
+
+
+def journal_path(save_dir, tag) -> str:
+    return os.path.join(save_dir, JOURNAL.format(_flat(tag)))
 
 
 # ---------------------------------------------------------------------- commit and recovery
@@ -268,62 +294,75 @@ def replaced_dir(save_dir, tag, save_id) -> str:
 
 def swap_in(save_dir, tag, save_id, save_latest=True):
     """Rank 0: put the complete staging directory in place as ``<tag>`` (journaled, two renames),
-    point ``latest`` at it, and remove what earlier saves left behind."""
+    point ``latest`` at it, and remove what earlier saves of this tag left behind."""
     staging, tag_dir = staging_dir(save_dir, tag, save_id), os.path.join(save_dir, tag)
     aside = replaced_dir(save_dir, tag, save_id)
     for name in os.listdir(staging):
         if name.endswith(".alive"):
             _remove(os.path.join(staging, name))
-    journal = os.path.join(save_dir, JOURNAL)
-    _atomic_write(journal, json.dumps({"tag": tag, "save_id": save_id}).encode())
-    if os.path.lexists(tag_dir):
-        os.rename(tag_dir, aside)
-    os.makedirs(os.path.dirname(tag_dir), exist_ok=True)
-    os.rename(staging, tag_dir)
-    _fsync_dir(save_dir)
-    if save_latest:
-        _atomic_write(os.path.join(save_dir, "latest"), tag.encode())
-    os.remove(journal)
-    shutil.rmtree(aside, ignore_errors=True)
-    remove_leftovers(save_dir)
+    journal = journal_path(save_dir, tag)
+    with _SWAP_LOCK:
+        _atomic_write(journal, json.dumps({"tag": tag, "save_id": save_id}).encode())
+        if os.path.lexists(tag_dir):
+            os.rename(tag_dir, aside)
+        os.makedirs(os.path.dirname(tag_dir), exist_ok=True)
+        os.rename(staging, tag_dir)
+        _fsync_dir(save_dir)
+        if save_latest:
+            _atomic_write(os.path.join(save_dir, "latest"), tag.encode())
+        os.remove(journal)
+        shutil.rmtree(aside, ignore_errors=True)
+        remove_leftovers(save_dir, tag)
 
 
 def recover(save_dir) -> Optional[str]:
-    """Finish or undo a swap that a killed process left half done (``<tag>`` renamed aside, the new
-    one not yet in place). Rank 0 only, before anyone reads the directory. Returns what it did."""
-    journal = os.path.join(save_dir, JOURNAL)
-    entry = _read_json(journal)
-    if entry is None:
-        if os.path.exists(journal):
-            _remove(journal)  # torn before its rename: the swap had not started
-        return None
-    tag, save_id = str(entry.get("tag")), str(entry.get("save_id"))
-    tag_dir, done = os.path.join(save_dir, tag), None
-    if not os.path.lexists(tag_dir):
-        for source, what in ((staging_dir(save_dir, tag, save_id), "finished"),
-                             (replaced_dir(save_dir, tag, save_id), "undid")):
-            if os.path.isdir(source):
-                os.makedirs(os.path.dirname(tag_dir), exist_ok=True)
-                os.rename(source, tag_dir)
-                done = f"{what} the interrupted replacement of checkpoint {tag_dir}"
-                break
-    _remove(journal)
-    if done:
-        logger.warning(f"[deepspeed-offload] {done}")
-    return done
+    """Finish or undo every swap that a killed process left half done (``<tag>`` renamed aside, the
+    new one not yet in place): one journal per tag. Rank 0 only, before anyone reads the directory.
+    Returns what it did."""
+    done = []
+    with _SWAP_LOCK:  # (a swap of this process is never seen half done: it holds the lock)
+        try:
+            journals = sorted(n for n in os.listdir(save_dir) if _JOURNAL_RE.match(n))
+        except OSError:
+            return None
+        for name in journals:
+            journal = os.path.join(save_dir, name)
+            entry = _read_json(journal)
+            if entry is None:
+                _remove(journal)  # torn before its rename: the swap had not started
+                continue
+            tag, save_id = str(entry.get("tag")), str(entry.get("save_id"))
+            tag_dir = os.path.join(save_dir, tag)
+            if not os.path.lexists(tag_dir):
+                for source, what in ((staging_dir(save_dir, tag, save_id), "finished"),
+                                     (replaced_dir(save_dir, tag, save_id), "undid")):
+                    if os.path.isdir(source):
+                        os.makedirs(os.path.dirname(tag_dir), exist_ok=True)
+                        os.rename(source, tag_dir)
+                        done.append(f"{what} the interrupted replacement of checkpoint {tag_dir}")
+                        break
+            _remove(journal)
+    for line in done:
+        logger.warning(f"[deepspeed-offload] {line}")
+    return "; ".join(done) or None
 
 
-def remove_leftovers(save_dir):
-    """Staging and replaced directories of earlier saves (failed, killed): no journal names them."""
-    try:
-        names = os.listdir(save_dir)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(save_dir, name)
-        if _ASIDE_RE.match(name) and os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-    _remove(os.path.join(save_dir, "latest.tmp"))
+def remove_leftovers(save_dir, tag):
+    """What earlier saves of ``tag`` (failed, killed) left in ``save_dir``: their staging and replaced
+    directories, the journal's and ``latest``'s temp files. Called when no save of ``tag`` is in
+    flight. Other tags' files are left alone: another engine may be saving into the folder now."""
+    aside = re.compile(r"^\.%s\.(?:incoming|replaced)-[0-9a-f]{16}$" % re.escape(_flat(tag)))
+    with _SWAP_LOCK:
+        try:
+            names = os.listdir(save_dir)
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(save_dir, name)
+            if aside.match(name) and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+        _remove(journal_path(save_dir, tag) + ".tmp")
+        _remove(os.path.join(save_dir, "latest.tmp"))
 
 
 # ---------------------------------------------------------------------- verification
@@ -391,11 +430,18 @@ def verify_checkpoint(tag_dir, rank: int = 0, world: int = 1) -> Optional[str]:
 # ---------------------------------------------------------------------- agreement across ranks
 
 
-def _dist():
+def _rank_world() -> Tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without a process group)."""
     from deepspeed import comm as dist
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _dist():
+    """deepspeed.comm when there is more than one rank to agree with, else None."""
+    from deepspeed import comm as dist
+    return dist if _rank_world()[1] > 1 else None
 
 
 def _device():
@@ -408,7 +454,7 @@ def exchange_messages(message: Optional[str]) -> List[Tuple[int, str]]:
     dist = _dist()
     if dist is None:
         return [(0, message)] if message else []
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = _rank_world()
     buf = torch.zeros(world, MESSAGE_BYTES, dtype=torch.uint8)
     if message:
         data = message.encode()[:MESSAGE_BYTES]
@@ -516,6 +562,7 @@ class AsyncCheckpointer:
         self._written = threading.Event()  # this rank's files are serialized: the host store is free
         self._written.set()
         self._error = None
+        self._staging = None  # the staging directory of the save whose outcome is not yet agreed
         self.last = None  # {"tag", "save_id", "blocking_s", "background_s"} of the last save
         self.guard_enabled = not _TEST_NO_GUARD
         self._patches = patches if patches is not None else PatchRegistry("deepspeed-offload async checkpoint")
@@ -556,15 +603,13 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ engine entry points
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        self.wait()  # one save at a time; raises if the previous one failed
-        from deepspeed import comm as dist
+        self.wait()  # one save at a time (every rank's writer joined); raises if the previous one failed
         t0 = time.perf_counter()  # (the optimizer's state_dict drains pending write-backs itself)
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        save_id, problem = self._start(save_dir, rank)
+        rank, world = _rank_world()
+        save_id, problem = self._start(save_dir, tag, rank)
         staging = staging_dir(save_dir, tag, save_id)
         heartbeat = None
         if problem is None:
@@ -574,7 +619,10 @@ class AsyncCheckpointer:
             except OSError as e:
                 problem = f"creating checkpoint directory {staging} failed: {describe_os_error(e, staging)}"
         try:
-            _raise_agreed(agree(problem), problem, CheckpointWriteError, f"checkpoint {tag} not saved")
+            failures = agree(problem)
+            if failures and rank == 0:  # no rank writes into it: every rank stops here
+                shutil.rmtree(staging, ignore_errors=True)
+            _raise_agreed(failures, problem, CheckpointWriteError, f"checkpoint {tag} not saved")
             files, scripts, zipfile = self._capture(save_dir, tag, staging, client_state, exclude_frozen_parameters)
         except BaseException:
             if heartbeat is not None:
@@ -588,6 +636,7 @@ class AsyncCheckpointer:
         self.last = {"tag": tag, "save_id": save_id, "blocking_s": blocking, "background_s": None}
         self._written.clear()
         self._unchecked = True
+        self._staging = staging
         self._thread = threading.Thread(target=self._write, args=(job, ), name="deepspeed-offload-ckpt")
         self._thread.start()
         log_dist(f"[deepspeed-offload] checkpoint {tag}: save_checkpoint blocked {blocking:.3f} s; "
@@ -625,13 +674,16 @@ class AsyncCheckpointer:
             files.append((os.path.join(staging, rel), obj))
         return files, scripts, getattr(capture._inner, "zipfile_serialization", True)
 
-    def _start(self, save_dir, rank) -> Tuple[str, Optional[str]]:
-        """Rank 0 finishes an interrupted swap; every rank learns the save id (one all-reduce)."""
+    def _start(self, save_dir, tag, rank) -> Tuple[str, Optional[str]]:
+        """Rank 0 finishes interrupted swaps and removes what earlier saves of ``tag`` left (every
+        rank's writer of this engine is joined by now); every rank learns the save id (one
+        all-reduce)."""
         problem = None
         if rank == 0:
             try:
                 os.makedirs(save_dir, exist_ok=True)
                 recover(save_dir)
+                remove_leftovers(save_dir, tag)
             except OSError as e:
                 problem = f"preparing checkpoint directory {save_dir} failed: {describe_os_error(e, save_dir)}"
         sid = secrets.randbits(62) if rank == 0 else 0
@@ -644,9 +696,7 @@ class AsyncCheckpointer:
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         self.wait()
-        from deepspeed import comm as dist
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank, world = _rank_world()
         problem = None
         if rank == 0:
             try:
@@ -655,17 +705,30 @@ class AsyncCheckpointer:
                 problem = f"completing an interrupted save in {load_dir} failed: {describe_os_error(e, load_dir)}"
         # (the agreement also orders every rank's reads after rank 0's recovery)
         _raise_agreed(agree(problem), problem, CheckpointLoadError, f"checkpoint in {load_dir} not loaded")
-        resolved = tag
-        if resolved is None:
-            latest = _reads(os.path.join(load_dir, "latest"))
-            resolved = latest.strip() if latest is not None else None
-        if resolved is not None:
-            try:
+        resolved, problem = tag, None
+        try:
+            if resolved is None:
+                resolved = self._latest_tag(load_dir)
+            if resolved is not None:
                 problem = verify_checkpoint(os.path.join(load_dir, str(resolved)), rank, world)
-            except Exception as e:  # noqa: B902 - agreed below, so no rank is left waiting
-                problem = f"verifying {os.path.join(load_dir, str(resolved))} failed: {e!r}"
-            _raise_agreed(agree(problem), problem, CheckpointLoadError, "checkpoint refused")
-        return self._orig_load(load_dir, tag, *args, **kwargs)
+        except Exception as e:  # noqa: B902 - agreed below, so no rank is left waiting
+            what = f"verifying {os.path.join(load_dir, str(resolved))}" if resolved is not None else \
+                f"reading the latest tag in {load_dir}"
+            problem = f"{what} failed: {describe_os_error(e, load_dir)}"
+        # Every rank, whatever it found: the all-reduces pair up.
+        _raise_agreed(agree(problem), problem, CheckpointLoadError, "checkpoint refused")
+        # The tag verified is the tag loaded (None: no 'latest' file, DeepSpeed's loader says so).
+        return self._orig_load(load_dir, resolved, *args, **kwargs)
+
+    def _latest_tag(self, load_dir) -> Optional[str]:
+        """The tag DeepSpeed's loader would read: ``latest_universal`` for a universal checkpoint,
+        else ``latest``; None if there is no such file. A file that exists but cannot be read raises."""
+        universal = getattr(self.engine, "load_universal_checkpoint", None)
+        path = os.path.join(load_dir, "latest_universal" if callable(universal) and universal() else "latest")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return f.read().strip()
 
     def step(self, *args, **kwargs):
         if self._unchecked:
@@ -680,6 +743,7 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         written = {}
         where = job["staging"]
+        failed = False  # (not self._error: the ranks' agreement may clear that at any moment)
         try:
             try:
                 for path, obj in job["files"]:
@@ -699,10 +763,11 @@ class AsyncCheckpointer:
                       "digest": DIGEST, "files": written}
             _atomic_write(where, json.dumps(marker, indent=1, sort_keys=True).encode())
         except BaseException as e:  # noqa: B902 - reported at the next step or wait
+            failed = True
             self._fail(job, f"writing checkpoint {job['tag_dir']} failed: {describe_os_error(e, where)}")
             return
         finally:
-            job["heartbeat"].stop(remove=self._error is not None)
+            job["heartbeat"].stop(remove=failed)
         if job["rank"] != 0:
             return
         try:
@@ -711,8 +776,7 @@ class AsyncCheckpointer:
             self._commit(job)
         except BaseException as e:  # noqa: B902
             self._error = CheckpointWriteError(
-                f"committing checkpoint {job['tag_dir']} failed: "
-                f"{describe_os_error(e, job['save_dir']) if isinstance(e, OSError) else e}; "
+                f"committing checkpoint {job['tag_dir']} failed: {describe_os_error(e, job['save_dir'])}; "
                 f"'latest' still names {_reads(os.path.join(job['save_dir'], 'latest'))!r}")
             return
         self.last["background_s"] = time.perf_counter() - t0
@@ -734,6 +798,9 @@ class AsyncCheckpointer:
         staging, world, save_id = job["staging"], job["world"], job["save_id"]
         start = time.monotonic()
         seen: Dict[int, Tuple[Optional[int], float]] = {}  # rank -> (heartbeat mtime, when it last changed)
+        # Every rank created its heartbeat file before the all-reduce that preceded this commit: one
+        # that rank 0 has never seen is on storage rank 0 does not see.
+        visible = set()
         while True:
             pending = []
             for r in range(world):
@@ -752,6 +819,8 @@ class AsyncCheckpointer:
                     mtime = os.stat(os.path.join(staging, ALIVE.format(r))).st_mtime_ns
                 except OSError:
                     mtime = None
+                if mtime is not None:
+                    visible.add(r)
                 before = seen.get(r)
                 if before is not None and before[0] is not None and mtime is None:
                     failed = _reads(os.path.join(staging, FAILED.format(r)))
@@ -760,9 +829,15 @@ class AsyncCheckpointer:
                 if before is None or before[0] != mtime:
                     seen[r] = (mtime, now)
                 elif now - before[1] > HEARTBEAT_TIMEOUT_S:
-                    state = "no heartbeat file" if mtime is None else "its heartbeat stopped"
+                    if r not in visible:
+                        raise CheckpointWriteError(
+                            f"rank {r}'s files are not visible from rank 0 (its heartbeat file "
+                            f"{os.path.join(staging, ALIVE.format(r))} never appeared in "
+                            f"{now - before[1]:.1f} s, DS_OFFLOAD_HEARTBEAT_TIMEOUT={HEARTBEAT_TIMEOUT_S:g}): "
+                            f"is save_dir on storage all nodes share? (If it is, rank {r} failed or died "
+                            "before rank 0 first looked.)")
                     raise CheckpointWriteError(
-                        f"rank {r} stopped writing ({state} for {now - before[1]:.1f} s, "
+                        f"rank {r} stopped writing (its heartbeat stopped for {now - before[1]:.1f} s, "
                         f"DS_OFFLOAD_HEARTBEAT_TIMEOUT={HEARTBEAT_TIMEOUT_S:g}): the process died or its writer hung")
             if now - start > COMMIT_TIMEOUT_S:
                 raise TimeoutError(f"rank(s) {pending} did not finish within {COMMIT_TIMEOUT_S:.0f} s "
@@ -782,11 +857,33 @@ class AsyncCheckpointer:
         return self._thread is not None and self._thread.is_alive()
 
     def _agree_on_failure(self):
-        """Raise on every rank if any rank's write has failed so far (one all-reduce)."""
-        own = str(self._error) if self._error is not None else None
+        """Raise on every rank if any rank's write has failed so far (one all-reduce). A failure
+        that lands while the ranks agree (the writer is not necessarily joined) stays pending."""
+        err = self._error
+        own = str(err) if err is not None else None
         failures = agree(own)
-        self._error = None
+        if self._error is err:
+            self._error = None
+        if failures:
+            self._discard_failed_save()
         _raise_agreed(failures, own, CheckpointWriteError, "asynchronous checkpoint failed")
+
+    def _discard_failed_save(self):
+        """Every rank, once the ranks agreed that the save failed: join this rank's writer, agree
+        again (so every rank's writer has stopped), then rank 0 removes the failed save's staging
+        directory. Nothing of it is left, even if no later save goes to the same folder."""
+        self._join()
+        # Whatever the writer still reported belongs to the failed save being raised right now.
+        self._error = None
+        staging, self._staging = self._staging, None
+        agree(None)
+        if staging is not None and _rank_world()[0] == 0:
+            save_dir = os.path.dirname(staging)
+            try:
+                recover(save_dir)  # a commit that failed half way: finish or undo it first
+            except OSError as e:
+                logger.warning(f"[deepspeed-offload] {describe_os_error(e, save_dir)}")
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _join(self):
         if self._thread is not None:
@@ -846,6 +943,7 @@ def _wait_all_at_exit():
             logger.error(f"[deepspeed-offload] {ckpt._error}")
             failed = True
     if failed:
+        logging.shutdown()  # os._exit skips it: flush and close every handler first
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

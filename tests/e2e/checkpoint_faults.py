@@ -3,8 +3,8 @@ several scenarios per launch. Each rank writes what it saw to ``<out>.rank<r>`` 
 
 ``scenario: "faults"``: damaged, truncated and mixed files are refused at load on every rank (and
 nothing hangs); the intact checkpoint then loads; a write that runs into RLIMIT_FSIZE on rank 1
-fails on both ranks with the errno text and the path, ``latest`` untouched; the next good save
-removes what the failed one left.
+fails on both ranks with the errno text and the path, ``latest`` untouched, and nothing of it is
+left once the ranks have agreed on the failure; the next good save commits as usual.
 
 ``scenario: "die"``: rank 1 leaves with ``os._exit(0)`` while its write is in flight (what
 examples did); rank 0 exits normally and must fail the commit within seconds and exit non-zero.

@@ -1,8 +1,8 @@
 """Asynchronous checkpoints through the launcher (2 ranks): the files equal a synchronous save of
 the same state (every tensor, ZeRO-3's padding included), resuming from them is exact, the guard is
 what makes that so, a rank that dies mid-write makes rank 0 fail the commit within seconds and exit
-non-zero with ``latest`` untouched, and damaged, truncated or mixed files are refused on both ranks
-(checkpoint_faults.py)."""
+non-zero with ``latest`` untouched, damaged, truncated or mixed files are refused on both ranks, and
+a failed save leaves nothing behind (checkpoint_faults.py)."""
 
 import glob
 import os
@@ -132,5 +132,6 @@ def test_damaged_truncated_mixed_and_disk_full_on_both_ranks(runs):
         assert "File too large (EFBIG)" in out["full"] and str(d / ".full.incoming-") in out["full"], out["full"]
         assert out["latest_after_full"] == "t" and out["after_full"] is None
     assert "rank 1's write failed" in seen[0]["full"]  # rank 0 wrote its files; its commit names rank 1
-    assert any(n.startswith(".full.incoming-") for n in seen[0]["left_after_full"])
+    # the failed save is gone once both ranks agreed it failed, without waiting for a later save
+    assert seen[0]["left_after_full"] == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]
     assert seen[0]["left_after_next"] == ["latest", "t", "t2", "zero_to_fp32.py", "zero_to_torch.py"]

@@ -40,6 +40,7 @@ class FakeEngine:
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         self.loads += 1
+        self.loaded_tag = tag
         return "loaded"
 
     def step(self):
@@ -132,14 +133,65 @@ def test_saving_over_the_tag_latest_names_keeps_it_whole_until_the_swap(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]
 
 
-def test_leftovers_of_failed_saves_are_removed_by_the_next_successful_one(tmp_path):
-    stale = tmp_path / f".old.incoming-{SAVE_ID}"
+def test_a_save_removes_what_killed_saves_of_its_tag_left_and_nothing_else(tmp_path, monkeypatch):
+    stale = tmp_path / f".t1.incoming-{SAVE_ID}"
     stale.mkdir()
     (stale / "optim.pt.tmp").write_bytes(b"x" * 100)
     (tmp_path / f".t1.replaced-{SAVE_ID}").mkdir()
+    (tmp_path / (ck.JOURNAL.format("t1") + ".tmp")).write_text("{")  # torn before its rename
     (tmp_path / ".users-own-dir").mkdir()
-    saved(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".users-own-dir", "latest", "t1"]
+    other = tmp_path / f".t1_1.incoming-{SAVE_ID}"  # another engine's save in flight into this folder
+    other.mkdir()
+    engine = two_files()
+    ckpt = ck.AsyncCheckpointer(engine, [])
+    at_commit = []
+    real_commit = ckpt._commit
+    monkeypatch.setattr(ckpt, "_commit", lambda job: (at_commit.append(sorted(os.listdir(tmp_path))), real_commit(job)))
+    engine.save_checkpoint(str(tmp_path), tag="t1")
+    ckpt.wait()
+    # already gone when the new save starts (not only once it succeeds)
+    assert [n for n in at_commit[0] if not n.startswith(".t1.incoming-")] == [".t1_1.incoming-" + SAVE_ID,
+                                                                             ".users-own-dir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, ".users-own-dir", "latest", "t1"]
+
+
+def test_two_engines_saving_into_one_folder_leave_each_other_alone(tmp_path, monkeypatch):
+    """Accelerate's save_state with two engines: tags pytorch_model and pytorch_model_1, one folder."""
+    first, second = two_files(), two_files()
+    ck1, ck2 = ck.AsyncCheckpointer(first, []), ck.AsyncCheckpointer(second, [])
+    release = threading.Event()
+    real_commit = ck1._commit
+    monkeypatch.setattr(ck1, "_commit", lambda job: (release.wait(10), real_commit(job)))
+    first.save_checkpoint(str(tmp_path), tag="pytorch_model")
+    ck1._written.wait(10)  # the first engine's files are written, its commit not yet done
+    second.save_checkpoint(str(tmp_path), tag="pytorch_model_1")
+    ck2.wait()
+    release.set()
+    ck1.wait()
+    for tag in ("pytorch_model", "pytorch_model_1"):
+        assert ck.verify_checkpoint(str(tmp_path / tag)) is None and (tmp_path / tag / "optim.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "pytorch_model", "pytorch_model_1"]
+
+
+def test_recover_handles_the_journal_of_every_tag(tmp_path):
+    for tag in ("a", "b"):
+        staging_with(tmp_path, tag, [0, 1])
+        (tmp_path / ck.JOURNAL.format(tag)).write_text(json.dumps({"tag": tag, "save_id": SAVE_ID}))
+    done = ck.recover(str(tmp_path))
+    assert "a" in done and "b" in done and not list(tmp_path.glob(".deepspeed_offload_commit*"))
+    assert all(ck.verify_checkpoint(str(tmp_path / tag), 0, 1) is None for tag in ("a", "b"))
+
+
+def test_swaps_of_one_process_take_turns(tmp_path):
+    """Another engine's save (rank 0 is one process) never sees a swap half done."""
+    staging_with(tmp_path, "v", [0, 1])
+    with ck._SWAP_LOCK:
+        t = threading.Thread(target=ck.swap_in, args=(str(tmp_path), "v", SAVE_ID))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not (tmp_path / "v").exists()
+    t.join(5)
+    assert (tmp_path / "latest").read_text() == "v"
 
 
 def test_a_failed_write_says_why_at_the_next_step_and_cleans_up(tmp_path, monkeypatch):
@@ -162,6 +214,57 @@ def test_a_failed_write_says_why_at_the_next_step_and_cleans_up(tmp_path, monkey
     assert (tmp_path / "latest").read_text() == "good" and not (tmp_path / "bad").exists()
     assert not list(tmp_path.rglob("*.tmp"))  # the failed write freed its space at once
     assert ck.verify_checkpoint(str(tmp_path / "good")) is None
+    # nothing of the failed save is left, though no later save goes to this folder (HF's checkpoint-N)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
+
+
+def test_a_failure_agreed_at_the_step_removes_the_save_once_every_writer_stopped(tmp_path, monkeypatch):
+    """Another rank failed while this rank's writer is still busy: the step waits for it before the
+    failed save's staging directory goes (nothing may still be writing into it)."""
+    engine = two_files()
+    ckpt = ck.AsyncCheckpointer(engine, [])
+    release = threading.Event()
+
+    def commit(job):  # rank 0 waiting for rank 1's marker, which never comes
+        release.wait(10)
+        raise ck.CheckpointWriteError("rank 1's write failed: disk full")
+
+    monkeypatch.setattr(ckpt, "_commit", commit)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    calls = []  # from here on, rank 1 (simulated) reports its failure at the first agreement
+    monkeypatch.setattr(ck, "agree", lambda msg: calls.append(msg) or ([(1, "disk full")] if len(calls) == 1 else []))
+    staging = Path(ck.staging_dir(str(tmp_path), "t", ckpt.last["save_id"]))
+    raised = []
+
+    def step():
+        try:
+            engine.step()
+        except ck.CheckpointWriteError as e:
+            raised.append(str(e))
+
+    t = threading.Thread(target=step)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and staging.is_dir()  # this rank's writer still running: nothing removed yet
+    release.set()
+    t.join(10)
+    assert "rank 1: disk full" in raised[0] and calls[1:] == [None]  # the second agreement: every writer done
+    assert not staging.exists() and not (tmp_path / "t").exists() and engine.steps == 0
+
+
+def test_a_failure_that_lands_while_the_ranks_agree_is_not_lost(tmp_path, monkeypatch):
+    ckpt = ck.AsyncCheckpointer(FakeEngine([]), [])
+    real_agree = ck.agree
+
+    def agree_while_the_writer_fails(message):
+        ckpt._error = ck.CheckpointWriteError("late: No space left on device")
+        return real_agree(message)
+
+    monkeypatch.setattr(ck, "agree", agree_while_the_writer_fails)
+    ckpt._agree_on_failure()  # nothing had failed when it started
+    monkeypatch.setattr(ck, "agree", real_agree)
+    with pytest.raises(ck.CheckpointWriteError, match="late: No space left"):
+        ckpt.wait()
 
 
 def test_file_too_large_is_named_not_unexpected_pos(tmp_path):
@@ -262,10 +365,13 @@ def test_a_dead_rank_fails_the_commit_within_the_heartbeat_timeout(tmp_path, mon
     assert (tmp_path / "latest").read_text() == "previous" and not (tmp_path / "t4").exists()
 
 
-def test_a_rank_that_never_started_also_fails_the_commit(tmp_path, monkeypatch):
+def test_a_heartbeat_never_seen_asks_whether_save_dir_is_shared(tmp_path, monkeypatch):
+    """Every rank creates its heartbeat before the save's all-reduce: one rank 0 never sees is on a
+    disk rank 0 does not see (save_dir local to each node), not a dead process."""
     monkeypatch.setattr(ck, "HEARTBEAT_TIMEOUT_S", 0.3)
     _, job = staging_with(tmp_path, "t5", [0])
-    with pytest.raises(ck.CheckpointWriteError, match="rank 1 stopped writing .no heartbeat file"):
+    with pytest.raises(ck.CheckpointWriteError, match=r"rank 1's files are not visible from rank 0 .*"
+                       r"is save_dir on storage all nodes share\?"):
         ck.AsyncCheckpointer(FakeEngine([]), [])._commit(job)
 
 
@@ -295,14 +401,14 @@ def test_recover_finishes_or_undoes_a_killed_swap(tmp_path, state):
     old = Path(ck.replaced_dir(str(tmp_path), "ck", SAVE_ID))
     old.mkdir()
     (old / "old.pt").write_bytes(b"old")
-    (tmp_path / ck.JOURNAL).write_text(json.dumps({"tag": "ck", "save_id": SAVE_ID}))
+    (tmp_path / ck.JOURNAL.format("ck")).write_text(json.dumps({"tag": "ck", "save_id": SAVE_ID}))
     if state == "only_aside":
         import shutil
         shutil.rmtree(staging)
     if state == "done_but_journal":
         os.rename(staging, tmp_path / "ck")
     done = ck.recover(str(tmp_path))
-    assert not (tmp_path / ck.JOURNAL).exists()
+    assert not (tmp_path / ck.JOURNAL.format("ck")).exists()
     if state == "only_aside":
         assert "undid" in done and (tmp_path / "ck" / "old.pt").exists()
     else:
@@ -367,11 +473,40 @@ def test_load_refuses_before_deepspeed_reads_anything(tmp_path):
     assert engine.loads == 1
 
 
+def test_load_passes_on_the_tag_it_verified_and_agrees_on_every_rank(tmp_path, monkeypatch):
+    engine, ckpt = saved(tmp_path, "t1")
+    calls = []
+    real_agree = ck.agree
+    monkeypatch.setattr(ck, "agree", lambda msg: calls.append(msg) or real_agree(msg))
+    engine.load_checkpoint(str(tmp_path))
+    assert engine.loaded_tag == "t1"  # DeepSpeed does not read 'latest' again (it may have moved)
+    with_latest = len(calls)
+    (tmp_path / "latest").unlink()  # a rank that finds no 'latest' takes part in the same all-reduces
+    calls.clear()
+    engine.load_checkpoint(str(tmp_path))
+    assert len(calls) == with_latest and calls[-1] is None and engine.loaded_tag is None
+
+
+def test_a_universal_load_verifies_the_tag_latest_universal_names(tmp_path):
+    engine, ckpt = saved(tmp_path, "t1")
+    engine.save_checkpoint(str(tmp_path), tag="t2")
+    ckpt.wait()
+    (tmp_path / "latest_universal").write_text("t1")
+    data = bytearray((tmp_path / "t1" / "optim.pt").read_bytes())
+    data[-100] ^= 0xFF
+    (tmp_path / "t1" / "optim.pt").write_bytes(bytes(data))
+    engine.load_checkpoint(str(tmp_path))  # 'latest' names t2: intact
+    assert engine.loaded_tag == "t2"
+    engine.load_universal_checkpoint = lambda: True
+    with pytest.raises(ck.CheckpointLoadError, match=r"t1/optim\.pt \(written by rank 0\) does not match"):
+        engine.load_checkpoint(str(tmp_path))
+
+
 def test_load_finishes_a_swap_killed_half_way(tmp_path):
     engine, ckpt = saved(tmp_path, "t1")
     aside = Path(ck.replaced_dir(str(tmp_path), "t1", SAVE_ID))
     os.rename(tmp_path / "t1", aside)  # killed between the two renames of a save that failed later
-    (tmp_path / ck.JOURNAL).write_text(json.dumps({"tag": "t1", "save_id": SAVE_ID}))
+    (tmp_path / ck.JOURNAL.format("t1")).write_text(json.dumps({"tag": "t1", "save_id": SAVE_ID}))
     assert engine.load_checkpoint(str(tmp_path)) == "loaded"
     assert ck.verify_checkpoint(str(tmp_path / "t1")) is None
 
@@ -397,6 +532,23 @@ def test_hooks_go_through_one_registry_and_come_off():
     assert "save_checkpoint" not in vars(engine) and "step" not in vars(engine)
     engine.step()
     assert engine.steps == 1
+
+
+def test_a_failed_rank_flushes_its_logs_before_exiting(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ck.logging, "shutdown", lambda: calls.append("logging.shutdown"))
+    monkeypatch.setattr(ck.os, "_exit", lambda code: calls.append(("_exit", code)))
+    monkeypatch.setattr(ck, "_live", set())
+    ckpt = ck.AsyncCheckpointer(FakeEngine([]), [])
+    ckpt._error = ck.CheckpointWriteError("disk full")
+    ck._wait_all_at_exit()
+    assert calls == ["logging.shutdown", ("_exit", 1)]
+
+
+def test_our_own_errors_are_described_as_they_are():
+    assert ck.describe_os_error(TimeoutError("rank(s) [1] did not finish"), "/d") == "rank(s) [1] did not finish"
+    assert ck.describe_os_error(OSError(28, "x"), "/d/f") == "No space left on device (ENOSPC): /d/f"
+    assert ck.describe_os_error(ValueError("v"), "/d") == "ValueError('v') (/d)"
 
 
 def test_digest_throughput_is_measured(capsys):

@@ -292,6 +292,27 @@ def test_guards_wait_for_the_write_before_deleting(monkeypatch):
     api._attached.discard(engine)
 
 
+def test_end_of_training_deletion_and_hub_uploads_wait_for_the_write():
+    from deepspeed_offload import integrations
+    from deepspeed_offload.runtime.checkpoint import CheckpointWriteError
+    log = []
+    engine = _engine_with_checkpointer(log)
+    try:
+        # sort_checkpoints feeds the rmtree at the end of train(): on failure it sorts nothing
+        sort = integrations._after_writes("removing", skipped=list)(lambda *a, **k: log.append("sort") or ["c-1"])
+        upload_api = integrations._before_upload("uploading")(lambda: log.append("hf_api") or "api")
+        assert sort(output_dir="out") == ["c-1"] and upload_api() == "api"
+        assert log == ["join", "sort", "join", "hf_api"]  # rank-local waits first, no collective
+        log.clear()
+        getattr(engine, api.HANDLE_ATTR).checkpointer._error = RuntimeError("disk full")
+        assert sort(output_dir="out") == []  # nothing to delete: every checkpoint stays
+        with pytest.raises(CheckpointWriteError, match="uploading refused.*disk full"):
+            upload_api()
+        assert log == ["join", "join"]
+    finally:
+        api._attached.discard(engine)
+
+
 def test_install_guards_the_frameworks_where_they_delete_checkpoints(installed):
     import inspect
     import accelerate.accelerator as acc
@@ -302,9 +323,12 @@ def test_install_guards_the_frameworks_where_they_delete_checkpoints(installed):
     rotation = ((hf.Trainer, "_rotate_checkpoints") if hasattr(hf.Trainer, "_rotate_checkpoints") else
                 (hf, "rotate_checkpoints"))
 
+    sorting = (hf.Trainer, "_sorted_checkpoints") if rotation[0] is hf.Trainer else (hf, "sort_checkpoints")
+    upload = (hf, "hf_api") if hasattr(hf, "hf_api") else (hf, "upload_folder")
+
     def current():
-        return (getattr(*rotation), hf.Trainer._push_from_checkpoint, acc.Accelerator.save_state,
-                pl_ds.DeepSpeedStrategy.remove_checkpoint)
+        return (getattr(*rotation), getattr(*sorting), getattr(*upload), hf.Trainer._push_from_checkpoint,
+                acc.Accelerator.save_state, pl_ds.DeepSpeedStrategy.remove_checkpoint)
 
     before = current()
     installed()
@@ -313,6 +337,12 @@ def test_install_guards_the_frameworks_where_they_delete_checkpoints(installed):
     source = inspect.getsource(hf.Trainer._save_checkpoint)
     saved = source.index("self._save_optimizer_and_scheduler(")
     assert saved < source.index("self._push_from_checkpoint(") and saved < source.index(rotation[1] + "(")
+    # at the end of train(): the list that is deleted comes from the guarded sort
+    source = inspect.getsource(getattr(hf.Trainer, "_finalize_training", None) or hf.Trainer._inner_training_loop)
+    assert source.index(sorting[1] + "(") < source.index("shutil.rmtree(checkpoint")
+    # push_to_hub: save_model (which may start an async save), then the upload through the guarded name
+    source = inspect.getsource(hf.Trainer.push_to_hub)
+    assert source.index("self.save_model(") < source.rindex(upload[1] + "(")
     deepspeed_offload.uninstall()
     assert current() == before
     assert "remove_checkpoint" not in vars(pl_ds.DeepSpeedStrategy)  # the inherited method shows through again
