@@ -3,7 +3,8 @@
 # Installs the wheels carried in .whl/ (made here by `bash ../shared/tools/device-wheels.sh`) and
 # builds DeepSpeed's JIT ops once (FusedAdam, DeepCompile), then runs what is asked, writing logs and
 # results under $OUT:
-#   bash scripts/gpu.sh tests [PYTEST ARGS] the GPU-marked launcher tests, 5 at a time (1 rank per GPU;
+#   bash scripts/gpu.sh tests [PYTEST ARGS] the GPU-marked tests (launcher runs, residency races, env), 5 at
+#                                          a time (1 rank per GPU;
 #                                          2-GPU cases skip on one GPU; ~4 min), or the tests ARGS name
 #   bash scripts/gpu.sh worker MODE [ARGS] one bench mode, one rank, in the foreground, its whole log in $OUT
 #   bash scripts/gpu.sh bench [ARGS]       deepspeed-offload bench (--plot, --timeline added), results to $OUT
@@ -62,7 +63,7 @@ case $what in
 tests)
     build_ops
     # CI runs the unit tests on the CPU; with them this did not finish in 400 s on the H200
-    [ $# -gt 0 ] || set -- tests/e2e -n 5 -m "gpu or gpu2 or anyaccel"
+    [ $# -gt 0 ] || set -- tests/e2e tests/unit/test_residency.py tests/unit/test_env.py -n 5 -m "gpu or gpu2 or anyaccel"
     python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pytest --durations=15 "$@" 2>&1 \
         | tee -a "$OUT/tests.log" | tail -60
     exit "${PIPESTATUS[0]}" ;;
