@@ -385,6 +385,7 @@ def worker(mode, args):
         acc.synchronize()
         t_bwd = time.perf_counter()
         peak_fwd_bwd = acc.max_memory_allocated()
+        reserved_fwd_bwd = acc.max_memory_reserved()
         acc.reset_peak_memory_stats()
         mark("step")
         step()
@@ -392,8 +393,12 @@ def worker(mode, args):
         t1 = time.perf_counter()
         mark("end")
         peak_step = acc.max_memory_allocated()
+        # Reserved too: a block freed while a copy stream still uses it stops counting as allocated
+        # at once, but the allocator cannot hand it out again before that copy ends.
+        reserved = max(reserved_fwd_bwd, acc.max_memory_reserved())
         return {"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0, "peak_step_GiB": peak_step / GiB,
                 "peak_fwd_bwd_GiB": peak_fwd_bwd / GiB, "peak_iter_GiB": max(peak_fwd_bwd, peak_step) / GiB,
+                "peak_reserved_GiB": reserved / GiB,
                 "between_GiB": acc.memory_allocated() / GiB, "loss": loss.detach().float().item()}
 
     rows = [iteration() for _ in range(warmup + args.iters)][warmup:]
@@ -401,7 +406,8 @@ def worker(mode, args):
     for k in ("iter_s", "step_s", "fwd_bwd_s"):
         s = spread([r[k] for r in rows])
         out[k + "_min"], out[k + "_max"] = s["min"], s["max"]
-    out["peak_iter_GiB"] = max(r["peak_iter_GiB"] for r in rows)  # the worst iteration: what must fit
+    for k in ("peak_iter_GiB", "peak_reserved_GiB"):  # the worst iteration: what must fit
+        out[k] = max(r[k] for r in rows)
     out["per_iter"] = rows
     out.update(pipelined(engine, loss_of, step, args.iters, acc))
     if args.timeline and mode in TIMELINE_MODES:
@@ -791,13 +797,14 @@ def _cell(r, key, fmt="{:.3f}"):
 
 def table(results):
     lines = ["| mode | iteration s | fwd+bwd s | step s | pipelined iteration s | peak iteration GiB | peak fwd+bwd GiB "
-             "| peak in step GiB | between steps GiB | over baseline s | floor hidden |", "|---" * 11 + "|"]
+             "| peak in step GiB | between steps GiB | peak reserved GiB | over baseline s | floor hidden |",
+             "|---" * 12 + "|"]
     for mode, r in results.items():
         if mode == "bandwidth":
             continue
         if "error" in r:
             last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
-            lines.append(f"| {mode} | failed: {last[0][-100:].replace('|', '/')} |" + " |" * 9)
+            lines.append(f"| {mode} | failed: {last[0][-100:].replace('|', '/')} |" + " |" * 10)
             continue
         base = results.get(baseline(mode), {})
         over = f"{r['iter_s'] - base['iter_s']:+.3f} ({baseline(mode)})" if "iter_s" in base and base is not r else ""
@@ -805,7 +812,8 @@ def table(results):
         lines.append(f"| {mode} | {_cell(r, 'iter_s')} | {_cell(r, 'fwd_bwd_s')} | {_cell(r, 'step_s')} | "
                      f"{_cell(r, 'pipelined_iter_s_median' if 'pipelined_iter_s_median' in r else 'pipelined_iter_s')} | "
                      f"{_cell(r, 'peak_iter_GiB', '{:.2f}')} | {_cell(r, 'peak_fwd_bwd_GiB', '{:.2f}')} | "
-                     f"{_cell(r, 'peak_step_GiB', '{:.2f}')} | {_cell(r, 'between_GiB', '{:.2f}')} | {over} | {hidden} |")
+                     f"{_cell(r, 'peak_step_GiB', '{:.2f}')} | {_cell(r, 'between_GiB', '{:.2f}')} | "
+                     f"{_cell(r, 'peak_reserved_GiB', '{:.2f}')} | {over} | {hidden} |")
     return "\n".join(lines)
 
 

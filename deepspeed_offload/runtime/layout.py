@@ -53,14 +53,9 @@ class Layout:
     nbytes: Dict[int, int]  # offloaded sub-group -> bytes it moves each way
     order: List[int]  # offloaded sub-groups, in the order the step updates them
     resident: List[int]  # sub-groups kept on the device within memory_budget_gb
-    master_moves: List[bool]  # per sub-group: False where the fp32 master is the model's partition
     slot_numel: Dict[torch.dtype, int]  # one staging slot: the largest offloaded region, per dtype
     slot_bytes: int
     grad_bytes: int  # the largest fp32 gradient the step builds for one sub-group
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.nbytes.values())
 
 
 def compute_layout(opt, budget_bytes: int) -> Layout:
@@ -101,7 +96,6 @@ def compute_layout(opt, budget_bytes: int) -> Layout:
                   nbytes={i: nbytes(i) for i in order},
                   order=order,
                   resident=resident,
-                  master_moves=master_moves,
                   slot_numel=slot_numel,
                   slot_bytes=sum(numel * element_size(dt) for dt, numel in slot_numel.items()),
                   grad_bytes=max((m.numel() * element_size(m.dtype) for m in masters), default=0))
