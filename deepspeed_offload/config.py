@@ -78,7 +78,7 @@ class OffloadConfig(BaseModel):
     memory_budget_gb: Optional[float] = _gib_field()
     # Stream mode: load sub-groups during backward and write them back during the next forward.
     overlap: bool = True
-    # Device memory early loads may hold; null: derived from the previous iteration's peak.
+    # Device memory early loads may hold; null: derived from the peak measured since attach.
     overlap_memory_gb: Optional[float] = _gib_field()
     async_checkpoint: bool = False
 
