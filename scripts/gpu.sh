@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runner for the device machine (torch + CUDA there, no DeepSpeed/pydantic/hjson, no network).
-# Installs the wheels carried in .whl/ (made here by `bash ../shared/tools/device-wheels.sh`) and
+# Installs the wheels carried in .whl/ (made here by `bash scripts/device-wheels.sh`) and
 # builds DeepSpeed's JIT ops once (FusedAdam, DeepCompile), then runs what is asked, writing logs and
 # results under $OUT:
 #   bash scripts/gpu.sh tests [PYTEST ARGS] the GPU-marked tests (launcher runs, residency races, env), 5 at
