@@ -217,7 +217,18 @@ def train(spec):
         groups = [{"params": [p for _, p in trainable]}]
     optimizer = optimizer_for(spec, groups)
     init = deepspeed_offload.initialize if spec.get("api", "offload") == "offload" else deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+    if spec.get("copies"):
+        # deferred_copies.py: copies run only when waited for (the most hostile GPU timing)
+        from deferred_copies import DeferredCopies
+        import deepspeed_offload.runtime.stream as stream_mod
+        made, stream_mod.make_copies = stream_mod.make_copies, \
+            lambda acc=None: DeferredCopies(drop_write_back_wait=spec["copies"] == "deferred_control")
+        try:
+            engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+        finally:
+            stream_mod.make_copies = made
+    else:
+        engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     if spec.get("compile"):
         engine.compile()
     if spec.get("early_cap_first"):
@@ -302,6 +313,7 @@ def train(spec):
                             "counters": getattr(handle, "counters", None),
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),
+                            "deferred_copies": getattr(handle.copies, "deferred", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}
     return result

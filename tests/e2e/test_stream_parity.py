@@ -4,7 +4,12 @@ with the same optimizer. 2 gloo ranks on the CPU; on GPUs 1 rank per GPU (see th
 
 One launch per case: parity_train.py trains plain ZeRO-3 first, then each offload variant of the
 case (overlap on with the derived limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
-a detach, an asynchronous checkpoint and its resume), in the same process from the same seed."""
+a detach, an asynchronous checkpoint and its resume), in the same process from the same seed.
+
+On the CPU every copy is synchronous, so the waits between copies and computation are never put to
+the test, except in the ``deferred_copies`` case: there the copies run only when something waits for
+them (``deferred_copies.py``), as late as a GPU's copy streams may, and a negative control that drops
+one wait must break parity (a drain or a slot reuse without its wait breaks it too: checked by hand)."""
 
 import pytest
 import torch
@@ -26,6 +31,12 @@ VARIANTS = {
     "overlap_tiny": dict(offload=dict(OFFLOAD, overlap_memory_gb=1e-6), early_cap_first=True),
     "overlap_off": dict(offload=dict(OFFLOAD, overlap=False)),  # prefetch of two slots
     "overlap_off_no_prefetch": dict(offload=dict(OFFLOAD, overlap=False, prefetch=False)),
+    # deferred_copies.py: each copy runs only when something waits for it, reading its source then
+    "deferred": dict(offload=OFFLOAD, copies="deferred"),
+    "deferred_tiny": dict(offload=dict(OFFLOAD, overlap_memory_gb=1e-6), early_cap_first=True, copies="deferred"),
+    "deferred_off": dict(offload=dict(OFFLOAD, overlap=False), copies="deferred"),
+    # the negative control: loads ignore the sub-group's previous write-back, and parity must break
+    "deferred_control": dict(offload=OFFLOAD, copies="deferred_control"),
 }
 
 CASES = {
@@ -44,6 +55,9 @@ CASES = {
                               variants=["overlap", "overlap_tiny", "overlap_off"]),
     "fp16_forced_overflow": dict(spec=dict(dtype="fp16", sub_group_size=1000, overflow_step=2),
                                  variants=["overlap", "overlap_tiny", "overlap_off"]),
+    # the copies as late as a GPU may run them: only the runtime's waits order them (CPU only)
+    "deferred_copies": dict(spec=dict(dtype="bf16", sub_group_size=1000, gas=2, clip=0.5),
+                            variants=["deferred", "deferred_tiny", "deferred_off", "deferred_control"]),
     "budget_keeps_some_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True),
                                        variants=["overlap", "overlap_off_no_prefetch"],
                                        offload=dict(memory_budget_gb=12e-6)),
@@ -82,8 +96,15 @@ def run_case(tmp_path, case, nprocs=2, steps=6, **overrides):
         if name == "resume":
             assert ours["start"] == 3 and ours["losses"] == plain["losses"][3 * spec.get("gas", 1):]
             assert_bitwise_equal(plain, ours, what=("fp32", "state"))
+        elif name == "deferred_control":
+            assert ours["handle"]["deferred_copies"] > 0
+            with pytest.raises(AssertionError):  # a load that skips its wait reads stale state
+                assert_bitwise_equal(plain, ours)
+            continue
         elif name != "abort":
             assert_bitwise_equal(plain, ours)
+        if name.startswith("deferred"):
+            assert ours["handle"]["deferred_copies"] > 0  # copies really waited in their queues
         if name == "detach":
             d = ours["detach"]
             assert d["handle_gone"] and d["methods_are_class_methods"] and not d["still_instance_attributes"], d
@@ -97,6 +118,7 @@ def check_stats(spec, name, ours):
     """Every step's stats: each offloaded sub-group loaded once (early or in the step) and written
     back once, the bytes equal both ways; a skipped step adds nothing to the next one."""
     handle = ours["handle"]
+    name = {"deferred": "overlap", "deferred_tiny": "overlap_tiny", "deferred_off": "overlap_off"}.get(name, name)
     order, per_step = handle["order"], ours["step_stats"]
     assert order, "nothing was offloaded"
     assert len(per_step) == spec["steps"] - ours["start"]
@@ -138,6 +160,8 @@ def skip_without_fp16(case):
 @needs_two_ranks
 def test_parity_two_ranks(tmp_path, case):
     skip_without_fp16(case)
+    if case == "deferred_copies" and not ON_CPU:
+        pytest.skip("the deferred executor stands in for a GPU's copy streams on the CPU accelerator")
     results = run_case(tmp_path, case)
     if case == "budget_keeps_some_resident":
         assert results["overlap"]["handle"]["resident"], "the budget should keep the first sub-groups resident"
@@ -172,7 +196,7 @@ def test_parity_gpu_one_rank(tmp_path, case, optimizer):
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c != "deferred_copies"])
 def test_parity_gpu_two_ranks(tmp_path, case):
     if _gpus() < 2:
         pytest.skip(f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {_gpus()}")
