@@ -57,7 +57,8 @@ CASES = {
                                  variants=["overlap", "overlap_tiny", "overlap_off"]),
     # the copies as late as a GPU may run them: only the runtime's waits order them (CPU only)
     "deferred_copies": dict(spec=dict(dtype="bf16", sub_group_size=1000, gas=2, clip=0.5),
-                            variants=["deferred", "deferred_tiny", "deferred_off", "deferred_control"]),
+                            variants=["deferred", "deferred_tiny", "deferred_off", "deferred_control",
+                                      "deferred_checkpoint", "resume"]),
     "budget_keeps_some_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True),
                                        variants=["overlap", "overlap_off_no_prefetch"],
                                        offload=dict(memory_budget_gb=12e-6)),
@@ -71,9 +72,11 @@ def variant_specs(case, tmp_path):
     for name in CASES[case]["variants"]:
         if name == "detach":
             out.append((name, dict(offload=dict(OFFLOAD, **extra), detach_after=3)))
-        elif name == "checkpoint":
-            save = {"at": 3, "tag": "t3", "dir": str(tmp_path / "ckpt"), "wait": True}
-            out.append((name, dict(offload=dict(OFFLOAD, async_checkpoint=True, **extra), saves=[save])))
+        elif name in ("checkpoint", "deferred_checkpoint"):
+            # deferred: training goes on while the checkpoint is written (the step's guard orders them)
+            save = {"at": 3, "tag": "t3", "dir": str(tmp_path / "ckpt"), "wait": name == "checkpoint"}
+            out.append((name, dict(offload=dict(OFFLOAD, async_checkpoint=True, **extra), saves=[save],
+                                   copies="deferred" if name == "deferred_checkpoint" else None)))
         elif name == "resume":
             out.append((name, dict(offload=dict(OFFLOAD, **extra), resume={"dir": str(tmp_path / "ckpt")})))
         elif name == "abort":
@@ -118,7 +121,8 @@ def check_stats(spec, name, ours):
     """Every step's stats: each offloaded sub-group loaded once (early or in the step) and written
     back once, the bytes equal both ways; a skipped step adds nothing to the next one."""
     handle = ours["handle"]
-    name = {"deferred": "overlap", "deferred_tiny": "overlap_tiny", "deferred_off": "overlap_off"}.get(name, name)
+    name = {"deferred": "overlap", "deferred_tiny": "overlap_tiny", "deferred_off": "overlap_off",
+            "deferred_checkpoint": "checkpoint"}.get(name, name)
     order, per_step = handle["order"], ours["step_stats"]
     assert order, "nothing was offloaded"
     assert len(per_step) == spec["steps"] - ours["start"]
