@@ -12,6 +12,7 @@ process, from the same seed, and writes ``{"variants": [result, ...]}``: one lau
 per run.
 """
 
+import contextlib
 import gc
 import glob
 import json
@@ -200,7 +201,29 @@ def main():
     os._exit(0)
 
 
+@contextlib.contextmanager
+def copy_executor(spec):
+    """With ``copies``, offload attaches with deferred_copies.py's executor: a copy runs only when
+    something waits for it (the most hostile timing a GPU's copy streams allow)."""
+    if not spec.get("copies"):
+        yield
+        return
+    from deferred_copies import DeferredCopies
+    import deepspeed_offload.runtime.stream as stream_mod
+    made = stream_mod.make_copies
+    stream_mod.make_copies = lambda acc=None: DeferredCopies(drop_write_back_wait=spec["copies"] == "deferred_control")
+    try:
+        yield
+    finally:
+        stream_mod.make_copies = made
+
+
 def train(spec):
+    with copy_executor(spec):
+        return train_with(spec)
+
+
+def train_with(spec):
     torch.manual_seed(1234)
     hidden = spec.get("hidden", 32)
     config = ds_config(spec)
@@ -217,18 +240,7 @@ def train(spec):
         groups = [{"params": [p for _, p in trainable]}]
     optimizer = optimizer_for(spec, groups)
     init = deepspeed_offload.initialize if spec.get("api", "offload") == "offload" else deepspeed.initialize
-    if spec.get("copies"):
-        # deferred_copies.py: copies run only when waited for (the most hostile GPU timing)
-        from deferred_copies import DeferredCopies
-        import deepspeed_offload.runtime.stream as stream_mod
-        made, stream_mod.make_copies = stream_mod.make_copies, \
-            lambda acc=None: DeferredCopies(drop_write_back_wait=spec["copies"] == "deferred_control")
-        try:
-            engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
-        finally:
-            stream_mod.make_copies = made
-    else:
-        engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     if spec.get("compile"):
         engine.compile()
     if spec.get("early_cap_first"):

@@ -226,9 +226,13 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     ZeRO-3 bit for bit. DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
     spec = dict(COMPILE_OPS_CASES[name], steps=6, api="deepspeed")
     plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
-    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}]), tmp_path, name)
-    plain, ours = out["variants"]
+    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}, {"copies": "deferred"}]), tmp_path,
+                 name)
+    plain, ours, deferred = out["variants"]
     assert_bitwise_equal(plain, ours)
+    # with the copies as late as a GPU may run them (deferred_copies.py): the ops' waits order them
+    assert_bitwise_equal(plain, deferred)
+    assert deferred["handle"]["deferred_copies"] > 0
     handle = ours["handle"]
     order, counters = handle["order"], handle["counters"]
     k = len(order) if spec["compile_ops"]["reload"] == "all" else spec["compile_ops"]["reload"]
