@@ -268,12 +268,13 @@ class StreamMode:
             return
         if self.overlap:
             limit, cap = self._early_limit(), self.early_cap
+            held = self.table.early_bytes() if cap is not None else 0
             for i in self.order:
                 r = self.table[i]
                 if r.on_device:
                     continue  # loaded already
                 nbytes = self.layout.nbytes[i]
-                if cap is not None and self.table.early_bytes() + nbytes > cap:
+                if cap is not None and held + nbytes > cap:
                     self._early_window = False  # the cap is fixed: nothing more will fit this step
                     return
                 if limit is not None and self.acc.memory_allocated() + nbytes > limit:
@@ -282,6 +283,7 @@ class StreamMode:
                     self._next_poll = time.perf_counter() + EARLY_POLL_S
                     return
                 self._load(i, slot=None, early=True)
+                held += nbytes
             self._early_window = False  # everything is loaded
             return
         if not self.copies.synchronous and \
@@ -367,14 +369,12 @@ class StreamMode:
             if t is None:
                 continue
             view = self.table.view(i, key)
-            if t.data_ptr() != view.data_ptr():
-                # Created by this step (lazy optimizer state): into the buffers, so it leaves with the rest.
-                if t.shape != view.shape or t.dtype != view.dtype:
-                    raise RuntimeError(f"deepspeed-offload: optimizer state '{key}' of sub-group {i} is "
-                                       f"{tuple(t.shape)} {t.dtype}, the host store expected {tuple(view.shape)} "
-                                       f"{view.dtype}; this optimizer's state is not per-parameter tensors")
-                view.copy_(t.data)
-                t.data = view
+            if t.shape != view.shape or t.dtype != view.dtype:
+                raise RuntimeError(f"deepspeed-offload: optimizer state '{key}' of sub-group {i} is "
+                                   f"{tuple(t.shape)} {t.dtype}, the host store expected {tuple(view.shape)} "
+                                   f"{view.dtype}; this optimizer's state is not per-parameter tensors")
+            # State created by this step (lazy optimizer state) goes into the buffers, to leave with the rest.
+            _move_into(t, view)
         self.stats.span("update", (self._update_start, self.copies.clock()))
         self.table.mark_updated(i)
         if self.stats.sub_groups == 0:
@@ -466,10 +466,7 @@ class StreamMode:
             t = self._tensor(i, key)
             if t is None:
                 continue
-            view = self.store.view(i, key)
-            if t.data_ptr() != view.data_ptr():
-                view.copy_(t.data)
-                t.data = view
+            _move_into(t, self.store.view(i, key))
 
     def _all_to_host(self):
         for i in self.order:
@@ -496,3 +493,10 @@ class StreamMode:
         for that step's write-backs to land (they would otherwise drain during the next forward):
         call it every few steps, not every step, where that overlap matters."""
         return None if self.last_stats is None else self.last_stats.resolve()
+
+
+def _move_into(t: torch.Tensor, view: torch.Tensor):
+    """Copy ``t``'s values into ``view`` and point ``t`` at it, unless it points there already."""
+    if t.data_ptr() != view.data_ptr():
+        view.copy_(t.data)
+        t.data = view
