@@ -46,6 +46,19 @@ class TinyLlama(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
 
 
+class KeepFinalParams(pl.Callback):
+    """The final fp32 parameters, gathered while the engine is still on the GPU: Lightning's teardown
+    moves the model to the CPU after ``fit``, where NCCL cannot gather it (for ``--out``, the tests)."""
+
+    def __init__(self):
+        self.params = None
+
+    def on_train_end(self, trainer, pl_module):
+        from deepspeed.utils import safe_get_full_fp32_param
+        engine = trainer.strategy.deepspeed_engine
+        self.params = {n: safe_get_full_fp32_param(p).cpu() for n, p in engine.module.named_parameters()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -57,10 +70,11 @@ def main():
 
     ids = torch.randint(0, 128, (256, 32), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    final = KeepFinalParams()
     trainer = pl.Trainer(accelerator="cuda", devices=args.devices, max_steps=args.steps, precision="bf16-mixed",
                          strategy=DeepSpeedStrategy(config=ds_config(not args.no_offload)), logger=False,
                          enable_progress_bar=False,
-                         callbacks=[ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=2, save_top_k=1)])
+                         callbacks=[ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=2, save_top_k=1), final])
     trainer.fit(TinyLlama(), loader)
 
     engine = trainer.strategy.deepspeed_engine
@@ -69,11 +83,8 @@ def main():
     moved = handle.step_stats()["bytes_h2d"] if handle is not None else 0
     if trainer.is_global_zero:
         print(f"last step moved {moved} bytes to the device")
-    if args.out:
-        from deepspeed.utils import safe_get_full_fp32_param
-        params = {n: safe_get_full_fp32_param(p).cpu() for n, p in engine.module.named_parameters()}
-        if trainer.is_global_zero:
-            torch.save({"params": params, "bytes_moved": moved}, args.out)
+    if args.out and trainer.is_global_zero:
+        torch.save({"params": final.params, "bytes_moved": moved}, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-BG=/tmp/ds_offload_bench  # outside the repo: survives between calls on a machine still held
+# outside the repo: survives between calls on a machine still held; BENCH_DIR names another, so that two
+# benches can run side by side (one per GPU, CUDA_VISIBLE_DEVICES set by the caller)
+BG=${BENCH_DIR:-/tmp/ds_offload_bench}
 mkdir -p "$OUT" "$BG"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
@@ -37,9 +39,8 @@ build_ops() {  # before anything runs in parallel: no two processes race to buil
     echo "JIT ops built in $((SECONDS - t)) s"
 }
 
-collect() {  # at most 8 files come back from a device call: the workers' logs travel as one archive
-    cp "$BG"/bench.json "$BG"/bench.png "$BG"/bench-sweep.png "$BG"/timeline.png "$BG"/bench.log "$OUT"/ 2>/dev/null
-    (cd "$BG" && tar czf "$OUT/bench-logs.tgz" bench-*.log 2>/dev/null)
+collect() {  # at most 8 files come back from a device call: each bench's results, charts and logs as one archive
+    tar czf "$OUT/$(basename "$BG").tgz" -C "$BG" . 2>/dev/null
 }
 
 prepare_bench() {  # sets BENCH_ARGS; clears $BG unless this run resumes

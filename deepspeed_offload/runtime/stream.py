@@ -158,7 +158,7 @@ class StreamMode:
             patch(opt, name, lambda orig: self._around(orig))
         for name in WRITERS:
             patch(opt, name, lambda orig: self._around(orig, writes=True))
-        patch(opt, "load_state_dict", lambda orig: self._around(orig, writes=True, after=self._all_to_host))
+        patch(opt, "load_state_dict", lambda orig: self._around(orig, writes=True, after=self._after_load))
         patch(opt, "step", lambda orig: self._around(orig, drain=False, on_error=self._abort_step,
                                                      after=self._after_step))
         patch(engine, "_backward_prologue", lambda orig: self._wrap_backward_prologue(orig))
@@ -472,6 +472,23 @@ class StreamMode:
         for i in self.order:
             self._to_host(i)
 
+    def _after_load(self):
+        """After ``load_state_dict``: the loaded state into the host store, and the state the store
+        does not hold (Adam's ``step``) where the step will need it. torch's loader placed it by the
+        parameter's device, and an offloaded sub-group's master is on the host while it loads, so a
+        fused or capturable Adam would find its ``step`` on the CPU beside device moments."""
+        self._all_to_host()
+        device = self.acc.current_device_name()
+        for i in self.order:
+            group = self.base.param_groups[self.opt.sub_group_to_group_id[i]]
+            state = self.base.state.get(self.opt.fp32_partitioned_groups_flat[i], {})
+            for key, value in state.items():
+                if key in self.store.slices[i] or not torch.is_tensor(value):
+                    continue
+                target = unstored_state_device(key, group, device)
+                if target is not None and value.device != torch.device(target):
+                    state[key] = value.to(target)
+
     def _point_at_host(self, i, drop_grad=False):
         for key in self.store.slices[i]:
             t = self._tensor(i, key)
@@ -493,6 +510,16 @@ class StreamMode:
         for that step's write-backs to land (they would otherwise drain during the next forward):
         call it every few steps, not every step, where that overlap matters."""
         return None if self.last_stats is None else self.last_stats.resolve()
+
+
+def unstored_state_device(key: str, group: dict, device: str) -> Optional[str]:
+    """Where a loaded state tensor that the host store does not hold belongs: torch's own rule in
+    ``Optimizer.load_state_dict`` (``step`` stays where it is unless the group is fused or
+    capturable; anything else goes with the parameter), applied as if the parameter were on the
+    device, where it is whenever the optimizer runs. None: leave it where it is."""
+    if key == "step" and not (group.get("fused") or group.get("capturable")):
+        return None
+    return device
 
 
 def _move_into(t: torch.Tensor, view: torch.Tensor):

@@ -242,13 +242,22 @@ def test_gpu_a_load_waits_for_its_own_previous_write_back(control):
 @needs_cuda
 @pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_waits"])
 def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
+    """The write-back of slot 0 is held back (the D2H stream is kept busy first), so only the slot's
+    wait keeps the next load into slot 0 from overwriting it before that D2H has read it. (On the
+    H200, 2026-11-29, a delay on the compute stream before the update did not open the window: the
+    control's load still landed after the write-back, for a reason not found; a held-back D2H
+    opens it, as in the test above. This version has not run on a GPU yet.)"""
     t = _gpu_table()
     if control:
         _without_waits(t)
     t.load(0, slot=0)
     t.arrive(0)
-    _slow_update(t, 0)
-    t.write_back(0)  # D2H from slot 0 after the late update
+    t.view(0, MASTER).add_(1)
+    t.view(0, "exp_avg").add_(1)
+    t.mark_updated(0)
+    with torch.cuda.stream(t.copies.d2h_stream):
+        torch.cuda._sleep(SPIN)  # the write-back below lands late
+    t.write_back(0)  # D2H from slot 0
     t.load(1, slot=0)  # must not overwrite slot 0 before that D2H has read it
     t.arrive(1)
     torch.cuda.synchronize()
@@ -258,6 +267,28 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
                                                                               torch.full((1 << 20, ), 10.0))
     assert intact is not control, "the control must see the race: widen SPIN" if control else \
         "slot 0 was overwritten before its write-back"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_the_update_wait"])
+def test_gpu_a_write_back_waits_for_the_update(control):
+    """The update is held back on the compute stream: only the write-back's wait on it keeps the
+    D2H from copying the values from before the update. (Not run on a GPU yet.)"""
+    t = _gpu_table()
+    if control:
+        real = t.copies.d2h
+        t.copies.d2h = lambda dst, src, waits: real(dst, src, ())
+    t.load(0)
+    t.arrive(0)
+    _slow_update(t, 0)
+    t.write_back(0)
+    torch.cuda.synchronize()
+    t.drain()
+    host0 = t.store.view(0, MASTER)
+    updated = torch.equal(host0, torch.full_like(host0, 1.0))
+    assert updated is not control, "the control must see the race: widen SPIN" if control else \
+        "the write-back copied the state from before the update"
 
 
 def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
