@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import log_dist
+from deepspeed.utils import log_dist, logger
 
 from ..config import OffloadConfig, format_bytes
 from .checkpoint import AsyncCheckpointer
@@ -166,6 +166,29 @@ class StreamMode:
             patch(opt, GRADIENT_HOOK, lambda orig: self._wrap_gradient_hook(orig))
         for name in ("offload_states", "reload_states"):
             patch(engine, name, lambda orig, name=name: self._refuse(name))
+        if self.overlap:
+            self._unsynchronize_throughput_timer()
+
+    def _unsynchronize_throughput_timer(self):
+        """DeepSpeed's throughput timer (on by default) synchronizes the device at the end of every
+        ``engine.step()`` and the start of every forward: the step's write-backs would then finish
+        inside the step instead of during the next forward. Left to its default, its synchronization
+        is turned off for this engine (its figures come from the CPU clock then, which DeepSpeed's
+        docs call sufficient in many cases); set explicitly in the ds_config, it is kept, with a
+        warning."""
+        timer = getattr(self.engine, "tput_timer", None)
+        cfg = getattr(timer, "config", None)
+        if cfg is None or not getattr(cfg, "enabled", False) or not getattr(cfg, "synchronized", False):
+            return
+        if "synchronized" in getattr(cfg, "model_fields_set", ()):
+            logger.warning("[deepspeed-offload] timers.throughput.synchronized is true in the ds_config: DeepSpeed "
+                           "synchronizes the device at every step's end, so the step's write-backs cannot overlap "
+                           "the next forward; set it to false (or leave it out) for the overlap")
+            return
+        self.patches.patch(cfg, "synchronized", lambda orig: False)
+        log_dist("[deepspeed-offload] DeepSpeed's throughput timer no longer synchronizes the device at each step "
+                 "(it would wait for the write-backs that overlap the next forward); "
+                 "timers.throughput.synchronized: true in the ds_config keeps it", ranks=[0])
 
     def detach(self):
         """Undo attach: write everything back, point the optimizer's tensors at device copies of

@@ -172,8 +172,9 @@ def detach_and_check(engine):
     opt = engine.optimizer
     patched = [(obj, name) for obj, name, _ in handle.patches._applied]
     handle.detach()
-    own = [name for obj, name in patched if name in vars(obj)]
+    own = [name for obj, name in patched if name in vars(obj) and callable(getattr(obj, name))]
     return {"patched": sorted(name for _, name in patched), "still_instance_attributes": own,
+            "tput_synchronized": engine.tput_timer.config.synchronized,
             "handle_gone": deepspeed_offload.get_handle(engine) is None,
             "methods_are_class_methods": all(getattr(opt, n).__func__ is getattr(type(opt), n)
                                              for n in ("step", "_prepare_sub_group", "_release_sub_group",
@@ -325,6 +326,7 @@ def train_with(spec):
                             "counters": getattr(handle, "counters", None),
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),
+                            "tput_synchronized": engine.tput_timer.config.synchronized,
                             "deferred_copies": getattr(handle.copies, "deferred", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}

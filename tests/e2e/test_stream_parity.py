@@ -35,6 +35,9 @@ VARIANTS = {
     "deferred": dict(offload=OFFLOAD, copies="deferred"),
     "deferred_tiny": dict(offload=dict(OFFLOAD, overlap_memory_gb=1e-6), early_cap_first=True, copies="deferred"),
     "deferred_off": dict(offload=dict(OFFLOAD, overlap=False), copies="deferred"),
+    # DeepSpeed's throughput timer synchronized on purpose: kept so (a warning says the write-backs
+    # cannot overlap the next forward then)
+    "overlap_timer_kept": dict(offload=OFFLOAD, extra_config={"timers": {"throughput": {"synchronized": True}}}),
     # the negative control: loads ignore the sub-group's previous write-back, and parity must break
     "deferred_control": dict(offload=OFFLOAD, copies="deferred_control"),
 }
@@ -48,7 +51,7 @@ CASES = {
     "few_large_sub_groups_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1500, gas=2),
                                       variants=["overlap", "overlap_tiny", "overlap_off"]),
     "fp32_adam_clip": dict(spec=dict(dtype="fp32", sub_group_size=1, optimizer="torch_adam", clip=0.05),
-                           variants=["overlap", "overlap_off_no_prefetch"]),
+                           variants=["overlap", "overlap_off_no_prefetch", "overlap_timer_kept"]),
     # an infinite loss at step 2: DeepSpeed skips the update (a non-finite gradient norm); what
     # backward loaded is given back unused, and it counts in no step's stats
     "bf16_skipped_step": dict(spec=dict(dtype="bf16", sub_group_size=1000, overflow_step=2),
@@ -111,6 +114,7 @@ def run_case(tmp_path, case, nprocs=2, steps=6, **overrides):
         if name == "detach":
             d = ours["detach"]
             assert d["handle_gone"] and d["methods_are_class_methods"] and not d["still_instance_attributes"], d
+            assert d["tput_synchronized"] is True, d  # DeepSpeed's default again
             assert {"_prepare_sub_group", "_release_sub_group", "step", "_backward_prologue"} <= set(d["patched"])
             continue
         check_stats(spec, name, ours)
@@ -141,6 +145,9 @@ def check_stats(spec, name, ours):
         elif name == "overlap_off_no_prefetch":
             assert early == 0, (name, k, stats)
     assert handle["overlap"] is (not name.startswith("overlap_off")), (name, handle["overlap"])
+    # With the overlap, DeepSpeed's throughput timer must not synchronize at each step (it would wait
+    # for the write-backs), unless the ds_config asks for it.
+    assert handle["tput_synchronized"] is (not handle["overlap"] or name == "overlap_timer_kept"), (name, handle)
     if spec.get("overflow_step") is not None:
         assert ours["losses"][spec["overflow_step"]] == float("inf")
         assert handle["steps"] == spec["steps"] - 1  # the skipped step moved nothing
