@@ -55,8 +55,9 @@ DERIVED_BUDGET_SPARE = 0.5
 READERS = ("state_dict", "_get_fp32_opt_state_partition")
 # ... and that write it: they also wait for a checkpoint write and drop what was loaded early.
 WRITERS = ("_restore_from_bit16_weights", "_restore_from_fp32_weights", "set_full_hp_param", "set_local_hp_param")
-# Early loads that did not fit ask the device's memory again after this long (seconds).
-EARLY_POLL_S = 0.001
+# Early loads that did not fit ask the device's memory again after this long (seconds): the query
+# (the allocator's statistics) costs tens of microseconds of the CPU that drives backward.
+EARLY_POLL_S = 0.002
 # The optimizer method the gradient hooks call as backward produces each gradient (and frees memory).
 GRADIENT_HOOK = "reduce_ready_partitions_and_remove_grads"
 
@@ -114,6 +115,7 @@ class StreamMode:
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
         self._next_poll = 0.0  # when the gradient hook may query device memory again
+        self._window_limit: Optional[int] = None  # this backward's early-load limit (None: none)
         self._update_start = None
         self._in_step = False
         self.steps = 0
@@ -235,6 +237,8 @@ class StreamMode:
             boundary = self.engine.is_gradient_accumulation_boundary()
             self._early_window = self.overlap and boundary
             self._next_poll = 0.0
+            if self._early_window:
+                self._window_limit = self._early_limit()  # once per backward: the peak it reads is known
             if boundary and not self.overlap and self.cfg.prefetch:
                 self.prefetch_for_step()
             return orig(*args, **kwargs)
@@ -285,13 +289,16 @@ class StreamMode:
     def prefetch_for_step(self):
         """Start loading what the next step needs while backward still runs. With ``overlap``: the
         next offloaded sub-groups in step order, into buffers of their own, while they fit under
-        ``_early_limit()`` (called again as backward frees memory). Without: the first two into
-        the two staging slots, if the peak so far plus both slots fits in 90% of the device."""
+        ``_early_limit()`` (taken once per backward; the gradient hook calls this again as backward
+        frees memory). Without: the first two into the two staging slots, if the peak so far plus
+        both slots fits in 90% of the device."""
         if self._in_step or not self.order:
             return
         if self.overlap:
-            limit, cap = self._early_limit(), self.early_cap
+            limit = self._window_limit if self._early_window else self._early_limit()
+            cap = self.early_cap
             held = self.table.early_bytes() if cap is not None else 0
+            allocated = self.acc.memory_allocated() if limit is not None else 0  # one query per call
             for i in self.order:
                 r = self.table[i]
                 if r.on_device:
@@ -300,13 +307,13 @@ class StreamMode:
                 if cap is not None and held + nbytes > cap:
                     self._early_window = False  # the cap is fixed: nothing more will fit this step
                     return
-                if limit is not None and self.acc.memory_allocated() + nbytes > limit:
-                    # Try again when backward has freed more; the memory query costs tens of
-                    # microseconds, so not at every gradient.
+                if limit is not None and allocated + nbytes > limit:
+                    # Try again when backward has freed more; not at every gradient (the query's cost).
                     self._next_poll = time.perf_counter() + EARLY_POLL_S
                     return
                 self._load(i, slot=None, early=True)
                 held += nbytes
+                allocated += nbytes  # what the buffers just took from the allocator
             self._early_window = False  # everything is loaded
             return
         if not self.copies.synchronous and \
