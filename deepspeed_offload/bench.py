@@ -324,6 +324,11 @@ def spread(values):
 def worker(mode, args):
     """One mode, in this process (one rank of it with --ranks N). Returns the result dict on rank 0,
     None on the other ranks."""
+    started = time.perf_counter()
+
+    def progress(what):  # in the worker's log: where a mode that timed out spent its time
+        print(f"[bench] {mode}: {what} at {time.perf_counter() - started:.1f} s", flush=True)
+
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -352,7 +357,9 @@ def worker(mode, args):
     nparams = sum(p.ds_numel for p in model.parameters())
     if mode == "dc_offload_opt_states_full":
         os.environ["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0"  # DeepSpeed's own hook to force full offload
+    progress("model built")
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    progress("engine built")
     warmup = args.warmup
     if "compile" in cfg:
         engine.compile()
@@ -401,7 +408,11 @@ def worker(mode, args):
                 "peak_reserved_GiB": reserved / GiB,
                 "between_GiB": acc.memory_allocated() / GiB, "loss": loss.detach().float().item()}
 
-    rows = [iteration() for _ in range(warmup + args.iters)][warmup:]
+    rows = []
+    for k in range(warmup + args.iters):
+        rows.append(iteration())
+        progress(f"iteration {k + 1} of {warmup + args.iters} ({rows[-1]['iter_s']:.3f} s)")
+    rows = rows[warmup:]
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     for k in ("iter_s", "step_s", "fwd_bwd_s"):
         s = spread([r[k] for r in rows])
