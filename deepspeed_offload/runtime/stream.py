@@ -21,6 +21,8 @@ One iteration with ``overlap`` on (the default)::
         compute stream:  wait(load i); prepare, clip, optimizer.step(), copy to bf16, in slot A
         d2h stream:      write back i from slot A (after the update of i)
     next forward:   the write-backs drain; their buffers return to the allocator as each copy ends
+                    (DeepSpeed's throughput timer would synchronize the device at the step's end and
+                    make the step wait for them: attach turns that off, ``_unsynchronize_throughput_timer``)
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups
 into the two slots. The DeepSpeed tensor objects never change: ``fp32_partitioned_groups_flat[i]``
