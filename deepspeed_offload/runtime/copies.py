@@ -6,7 +6,7 @@ Two implementations with one interface, picked by ``make_copies()`` at attach (t
 - ``AsyncCopies`` (a GPU): an H2D stream and a D2H stream of their own, events to order them
   against the compute stream, ``record_stream`` so that the caching allocator does not hand a
   buffer to anyone else before the copies that use it are done. Nothing here blocks the CPU
-  except ``wait_host`` (and ``elapsed``, when stats are read).
+  except ``wait_host`` (and ``elapsed``, when stats are read); ``done`` asks without waiting.
 - ``SyncCopies`` (the CPU accelerator: device memory is host memory, there are no streams): every
   copy runs at once, events are ``None``, waits are no-ops. The runtime's bookkeeping is the same
   code, so CI tests it for real.
@@ -59,6 +59,10 @@ class SyncCopies:
 
     def wait_host(self, event) -> None:
         pass
+
+    def done(self, event) -> bool:
+        """Whether ``event`` has happened, without waiting."""
+        return True
 
     def clock(self) -> object:
         return time.perf_counter()
@@ -125,6 +129,9 @@ class AsyncCopies:
     def wait_host(self, event) -> None:
         if event is not None:
             event.synchronize()
+
+    def done(self, event) -> bool:
+        return event is None or event.query()
 
     def clock(self) -> object:
         return self._event(self.acc.current_stream(), timing=True)

@@ -20,9 +20,12 @@ One iteration with ``overlap`` on (the default)::
         h2d stream:      load next -> slot B     (after slot B's previous write-back)
         compute stream:  wait(load i); prepare, clip, optimizer.step(), copy to bf16, in slot A
         d2h stream:      write back i from slot A (after the update of i)
-    next forward:   the write-backs drain; their buffers return to the allocator as each copy ends
-                    (DeepSpeed's throughput timer would synchronize the device at the step's end and
-                    make the step wait for them: attach turns that off, ``_unsynchronize_throughput_timer``)
+    next forward:   the write-backs drain; each sub-group's buffers are let go once its copy has
+                    landed, and sooner (the CPU waits for the oldest copy) where the forward's own
+                    memory would otherwise climb over the peak of the first iteration
+                    (``_forward_pre_hook``, on every module). DeepSpeed's
+                    throughput timer would synchronize the device at the step's end and make the
+                    step wait for them: attach turns that off (``_unsynchronize_throughput_timer``).
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups
 into the two slots. The DeepSpeed tensor objects never change: ``fp32_partitioned_groups_flat[i]``
@@ -111,6 +114,7 @@ class StreamMode:
         self.store = HostStore(self.layout.entries, cfg.pin_memory)
         self.table = ResidencyTable(self.store, self.copies, self.layout.slot_numel)
         self.overlap = cfg.overlap and self.OVERLAP_IN_BACKWARD
+        self.table.track_write_backs = self.overlap  # their buffers count until they have landed
         # overlap_memory_gb in bytes: what the early loads may hold together (None: derived limit)
         self.early_cap = None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30)
         self._early_window = False  # the boundary micro-batch's backward is running: early loads allowed
@@ -118,6 +122,8 @@ class StreamMode:
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
         self._next_poll = 0.0  # when the gradient hook may query device memory again
         self._window_limit: Optional[int] = None  # this backward's early-load limit (None: none)
+        self._peak_ref: Optional[int] = None  # the peak up to the first step's end: what later ones stay under
+        self._next_pace = 0.0  # when a forward pre-hook may query device memory again
         self._update_start = None
         self._in_step = False
         self.steps = 0
@@ -172,6 +178,8 @@ class StreamMode:
             patch(engine, name, lambda orig, name=name: self._refuse(name))
         if self.overlap:
             self._unsynchronize_throughput_timer()
+            for module in engine.module.modules():
+                self.patches.hook(module.register_forward_pre_hook(self._forward_pre_hook))
 
     def _unsynchronize_throughput_timer(self):
         """DeepSpeed's throughput timer (on by default) synchronizes the device at the end of every
@@ -252,6 +260,7 @@ class StreamMode:
         def gradient_ready(param):
             result = orig(param)
             if self._early_window and time.perf_counter() >= self._next_poll:
+                self.table.reclaim_landed()  # write-backs that outlasted the forward, landed since
                 self.prefetch_for_step()
             return result
 
@@ -336,7 +345,8 @@ class StreamMode:
             return None
         grad = self.layout.grad_bytes
         reserve = 2 * self.slot_bytes + grad * 3 // 2 + (2 * grad if self.steps == 0 else 0)
-        return self.acc.max_memory_allocated() - reserve
+        peak = self.acc.max_memory_allocated() if self._peak_ref is None else self._peak_ref
+        return peak - reserve
 
     def _load(self, i, slot, early):
         if self.stats is None:
@@ -357,6 +367,7 @@ class StreamMode:
 
     def _begin_step(self):
         self.offload_for_forward()  # no forward ran since the last step: those buffers are the newest copy
+        self.table.reclaim_all()  # the allocator keeps their blocks until the write-backs end
         self._in_step = True
         if self.stats is None:
             self.stats = StepStats(self.copies)
@@ -428,6 +439,10 @@ class StreamMode:
     def _end_step(self):
         self.table.free_slots()  # back to the allocator; record_stream holds the blocks until the copies end
         self._in_step = False
+        if self._peak_ref is None and not self.copies.synchronous:
+            # Frozen from here on: what the write-backs still hold in the next forward, and the early
+            # loads, count in later peaks, and must not raise the limits derived from them.
+            self._peak_ref = self.acc.max_memory_allocated()
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
 
@@ -469,6 +484,27 @@ class StreamMode:
             self._guard()  # an async checkpoint may still be reading the host copy this overwrites
         # Counted in the stats of the step that updated them.
         return sum(self._write_back(i, self.last_stats) for i in todo)
+
+    def _forward_pre_hook(self, module, args):
+        """Before every module's forward (overlap on), while the last step's write-backs still hold
+        buffers: let go of those that have landed, and while the device's allocation is within two
+        staging slots of the peak up to the first step's end, wait for the oldest write-back and let
+        go of it, so the forward's memory comes before the write-backs'. At most every
+        ``EARLY_POLL_S``; on the CPU accelerator nothing waits (the copies are done already)."""
+        if not self.table.landing:
+            return None
+        now = time.perf_counter()
+        if now < self._next_pace:
+            return None
+        self._next_pace = now + EARLY_POLL_S
+        self.table.reclaim_landed()
+        if not self.table.landing or self._peak_ref is None:
+            return None
+        limit = self._peak_ref - 2 * self.slot_bytes
+        allocated = self.acc.memory_allocated()
+        while self.table.landing and allocated > limit:
+            allocated -= self.table.reclaim_oldest()
+        return None
 
     def synchronize_for_checkpoint(self):
         """Before anything on the CPU reads host state: write back what is left on the device and

@@ -256,6 +256,7 @@ def train_with(spec):
     gen = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
     step_stats = []  # the handle's step_stats() after each optimizer step
+    landing = {"after_forward": [], "after_step": []}  # written-back buffers stream mode still holds
     result_extra = {}
     gas = spec.get("gas", 1)
     start = 0
@@ -276,6 +277,9 @@ def train_with(spec):
                     compile_ops.mode.begin_phase()
                 compile_ops.forward_head(x)
             out = engine(x, use_late=step >= 2)
+            tracked = deepspeed_offload.get_handle(engine)
+            if tracked is not None and getattr(tracked.table, "track_write_backs", False):
+                landing["after_forward"].append(len(tracked.table.landing))  # what the forward left held
             if compile_ops is not None:
                 out.register_hook(lambda grad, x=x: compile_ops.in_backward(x))
             loss = torch.nn.functional.mse_loss(out, y)
@@ -290,6 +294,8 @@ def train_with(spec):
             engine.step()
             losses.append(loss.item())
             handle = deepspeed_offload.get_handle(engine)
+            if handle is not None and getattr(handle.table, "track_write_backs", False) and micro == gas - 1:
+                landing["after_step"].append(len(handle.table.landing))  # written back, still held
             if handle is not None and micro == gas - 1:
                 # The stats object, resolved after training: resolving reads the copies' events,
                 # which would wait for this step's write-backs before the next forward starts.
@@ -302,7 +308,7 @@ def train_with(spec):
 
     deepspeed_offload.wait_for_checkpoint(engine)
     step_stats = [None if s is None else s.resolve() for s in step_stats]
-    result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats,
+    result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats, "landing": landing,
               "loaded_into_store": loaded_into_store, **result_extra}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p)

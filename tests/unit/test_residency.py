@@ -305,3 +305,65 @@ def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
     assert t.in_phase(P.WRITING_BACK) == []
     t.drain()
     assert ("host", [written]) in copies.waits
+
+
+class LandingCopies(RecordingCopies):
+    """RecordingCopies whose write-backs land only when told (``land``) or waited for."""
+
+    def __init__(self):
+        super().__init__()
+        self.landed = set()
+
+    def done(self, event):
+        return event is None or event.name in self.landed
+
+    def wait_host(self, event):
+        super().wait_host(event)
+        self.landed.add(event.name)
+
+
+def test_tracked_write_backs_hold_own_buffers_until_they_land():
+    copies = LandingCopies()
+    t = make_table(copies)
+    t.track_write_backs = True
+    for i, slot in ((0, None), (1, None), (2, 0)):
+        t.load(i, slot=slot)
+        t.arrive(i)
+        t.mark_updated(i)
+    bufs0 = t[0].buffers
+    written = []
+    for i in range(3):
+        t.write_back(i)
+        written.append(t[i].written)
+    # own buffers are held, oldest first; a slot is not (the step's slots are reused, then freed)
+    assert [e for _, e, _ in t.landing] == written[:2]
+    assert t.landing[0][0] is bufs0 and t.landing_bytes() == t.store_bytes(0) + t.store_bytes(1)
+    assert t.reclaim_landed() == 0 and len(t.landing) == 2  # nothing landed: nothing let go, no wait
+    assert not any(who == "host" for who, _ in copies.waits)
+    copies.landed.add(written[0].name)
+    assert t.reclaim_landed() == t.store_bytes(0) and len(t.landing) == 1
+    assert t.reclaim_oldest() == t.store_bytes(1) and not t.landing  # waited for
+    assert ("host", [written[1]]) in copies.waits
+
+
+def test_untracked_write_backs_and_drain_hold_nothing():
+    t = make_table(LandingCopies())
+    t.load(0)
+    t.arrive(0)
+    t.mark_updated(0)
+    t.write_back(0)
+    assert not t.landing  # stream mode without overlap, compile mode: the allocator alone holds them
+    t.track_write_backs = True
+    t.load(1)
+    t.arrive(1)
+    t.mark_updated(1)
+    t.write_back(1)
+    assert len(t.landing) == 1
+    t.drain()  # every write-back waited for: nothing left to hold
+    assert not t.landing
+    t.load(2)
+    t.arrive(2)
+    t.mark_updated(2)
+    t.write_back(2)
+    t.reclaim_all()
+    assert not t.landing
