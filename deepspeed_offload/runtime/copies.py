@@ -33,8 +33,10 @@ class SyncCopies:
     def __init__(self, acc=None):
         self.acc = acc or get_accelerator()
 
-    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
-        """Device buffers; and what a copy into them must wait for (None: nothing)."""
+    def alloc(self, numel: Dict[torch.dtype, int], record: bool = True) -> Tuple[Buffers, object]:
+        """Device buffers; and what a copy into them must wait for (None: nothing). ``record=False``:
+        the caller lets go of them only once their copies are done or the compute stream waits for
+        them (the residency table's held write-backs), so the allocator may reuse them at once."""
         device = self.acc.current_device_name()
         return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}, None
 
@@ -86,16 +88,19 @@ class AsyncCopies:
         ev.record(stream)
         return ev
 
-    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
+    def alloc(self, numel: Dict[torch.dtype, int], record: bool = True) -> Tuple[Buffers, object]:
         # On the compute stream, so the blocks come from (and go back to) the pool activations use.
         # The allocator may hand out blocks the compute stream's queued work still reads: a copy
         # into them waits for the event returned here. record_stream: when these buffers are
-        # dropped, the blocks are not reused before the copy streams' work queued by then is done.
+        # dropped, the blocks are not reused before *all* the copy streams' work queued by then is
+        # done (not only the copies of these buffers), hence ``record=False`` for the table's
+        # held write-backs, which it lets go only once their own copy is done or waited for.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
-        for buf in bufs.values():
-            buf.record_stream(self.h2d_stream)
-            buf.record_stream(self.d2h_stream)
+        if record:
+            for buf in bufs.values():
+                buf.record_stream(self.h2d_stream)
+                buf.record_stream(self.d2h_stream)
         return bufs, self._event(self.acc.current_stream())
 
     def _wait(self, stream, waits):

@@ -22,7 +22,10 @@ are the only callers of ``move``; each verb decides what its copy waits for:
 With ``track_write_backs`` (stream mode's overlap), buffers of their own that a write-back still
 reads stay referenced in ``landing``, oldest first, until the copy is seen done (``reclaim_landed``)
 or waited for (``reclaim_oldest``): until then the device's allocation counts them, so the memory
-limits and peaks see what the write-backs still hold in the next forward.
+limits and peaks see what the write-backs still hold in the next forward. Such buffers are
+allocated without ``record_stream`` (which would keep a dropped block from reuse until every copy
+queued by then had ended, not only its own), so every path that lets go of one first knows its last
+copy done, or makes the compute stream wait for it (``release``).
 
 A sub-group's device buffers are a staging slot (shared, index 0 or 1) or buffers of its own
 (loaded early, ahead of the step). The DeepSpeed tensors' ``.data`` rebinding is not done here:
@@ -129,7 +132,7 @@ class ResidencyTable:
         r = self.of[i]
         r.move(Phase.LOADING)
         if slot is None:
-            bufs, ready = self.copies.alloc(self.store.region_numel(i))
+            bufs, ready = self.copies.alloc(self.store.region_numel(i), record=not self.track_write_backs)
         else:
             if self.slots is None:
                 self._allocate_slots()
@@ -168,6 +171,8 @@ class ResidencyTable:
     def release(self, i: int):
         """Drop ``i``'s device copy unused: the host store still holds its state."""
         r = self.of[i]
+        if self.track_write_backs and r.slot is None:
+            self.copies.compute_waits(r.loaded)  # no record_stream: the load must end before reuse
         r.move(Phase.ON_HOST)
         r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
 
@@ -201,11 +206,6 @@ class ResidencyTable:
         _, written, nbytes = self.landing.popleft()
         self.copies.wait_host(written)
         return nbytes
-
-    def reclaim_all(self):
-        """Let go of every held buffer without waiting: the allocator keeps each block out of use
-        until the copies recorded on it have ended."""
-        self.landing.clear()
 
     def landing_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self.landing)

@@ -121,8 +121,8 @@ class StreamMode:
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
         self._next_poll = 0.0  # when the gradient hook may query device memory again
-        self._window_limit: Optional[int] = None  # this backward's early-load limit (None: none)
-        self._peak_ref: Optional[int] = None  # the peak up to the first step's end: what later ones stay under
+        self._peak_seen = 0  # the device's peak, sampled at the first iteration's phase boundaries
+        self._peak_ref: Optional[int] = None  # the first iteration's peak, frozen: what later ones stay under
         self._next_pace = 0.0  # when a forward pre-hook may query device memory again
         self._update_start = None
         self._in_step = False
@@ -197,7 +197,9 @@ class StreamMode:
                            "synchronizes the device at every step's end, so the step's write-backs cannot overlap "
                            "the next forward; set it to false (or leave it out) for the overlap")
             return
-        self.patches.patch(cfg, "synchronized", lambda orig: False)
+        # A copy of the timer's config, not an assignment to it: pydantic would count an assigned
+        # field as set by the user, and a later attach to this engine would keep it synchronized.
+        self.patches.patch(timer, "config", lambda orig: orig.model_copy(update={"synchronized": False}))
         log_dist("[deepspeed-offload] DeepSpeed's throughput timer no longer synchronizes the device at each step "
                  "(it would wait for the write-backs that overlap the next forward); "
                  "timers.throughput.synchronized: true in the ds_config keeps it", ranks=[0])
@@ -247,8 +249,8 @@ class StreamMode:
             boundary = self.engine.is_gradient_accumulation_boundary()
             self._early_window = self.overlap and boundary
             self._next_poll = 0.0
-            if self._early_window:
-                self._window_limit = self._early_limit()  # once per backward: the peak it reads is known
+            if boundary:
+                self._sample_peak()  # the forward's
             if boundary and not self.overlap and self.cfg.prefetch:
                 self.prefetch_for_step()
             return orig(*args, **kwargs)
@@ -259,9 +261,12 @@ class StreamMode:
 
         def gradient_ready(param):
             result = orig(param)
-            if self._early_window and time.perf_counter() >= self._next_poll:
+            if (self._early_window or self.table.landing) and time.perf_counter() >= self._next_poll:
                 self.table.reclaim_landed()  # write-backs that outlasted the forward, landed since
-                self.prefetch_for_step()
+                if self._early_window:
+                    self.prefetch_for_step()
+                else:
+                    self._next_poll = time.perf_counter() + EARLY_POLL_S
             return result
 
         return gradient_ready
@@ -300,14 +305,13 @@ class StreamMode:
     def prefetch_for_step(self):
         """Start loading what the next step needs while backward still runs. With ``overlap``: the
         next offloaded sub-groups in step order, into buffers of their own, while they fit under
-        ``_early_limit()`` (taken once per backward; the gradient hook calls this again as backward
-        frees memory). Without: the first two into the two staging slots, if the peak so far plus
-        both slots fits in 90% of the device."""
+        ``_early_limit()`` (the gradient hook calls this again as backward frees memory). Without:
+        the first two into the two staging slots, if the peak so far plus both slots fits in 90% of
+        the device."""
         if self._in_step or not self.order:
             return
         if self.overlap:
-            limit = self._window_limit if self._early_window else self._early_limit()
-            cap = self.early_cap
+            limit, cap = self._early_limit(), self.early_cap
             held = self.table.early_bytes() if cap is not None else 0
             allocated = self.acc.memory_allocated() if limit is not None else 0  # one query per call
             for i in self.order:
@@ -336,17 +340,26 @@ class StreamMode:
 
     def _early_limit(self) -> Optional[int]:
         """With ``overlap_memory_gb`` unset, early loads keep the device's allocated memory under
-        the peak seen since attach (reset once there) less what the rest of backward and the step
-        still allocate on top: the two slots, the step's fp32 gradient of the largest sub-group
-        with the flattened 16-bit gradient it is built from (1.5x), and at the first step the
-        moments the optimizer creates for it (2x). So the iteration's peak does not rise. None (no
-        limit) on the CPU accelerator."""
+        the peak less what the rest of backward and the step still allocate on top: the two slots,
+        the step's fp32 gradient of the largest sub-group with the flattened 16-bit gradient it is
+        built from (1.5x), and at the first step the moments the optimizer creates for it (2x). So
+        the iteration's peak does not rise. The peak: during the first iteration the device's, since
+        attach (reset once there); from the first step's end on, that iteration's, frozen
+        (``_peak_ref``), so that neither what the overlap holds nor a reset of the device's peak
+        statistics by other code moves it. None (no limit) on the CPU accelerator."""
         if self.early_cap is not None or self.copies.synchronous:
             return None
         grad = self.layout.grad_bytes
         reserve = 2 * self.slot_bytes + grad * 3 // 2 + (2 * grad if self.steps == 0 else 0)
         peak = self.acc.max_memory_allocated() if self._peak_ref is None else self._peak_ref
         return peak - reserve
+
+    def _sample_peak(self):
+        """During the first iteration, at each phase boundary (the backward's start, the step's start
+        and end): the device's peak since the last reset, whoever reset it (a benchmark between
+        backward and step, say), so the frozen reference covers forward, backward and step."""
+        if self._peak_ref is None and not self.copies.synchronous:
+            self._peak_seen = max(self._peak_seen, self.acc.max_memory_allocated())
 
     def _load(self, i, slot, early):
         if self.stats is None:
@@ -367,7 +380,8 @@ class StreamMode:
 
     def _begin_step(self):
         self.offload_for_forward()  # no forward ran since the last step: those buffers are the newest copy
-        self.table.reclaim_all()  # the allocator keeps their blocks until the write-backs end
+        self.table.reclaim_landed()  # the last step's write-backs, landed during forward and backward
+        self._sample_peak()  # backward's
         self._in_step = True
         if self.stats is None:
             self.stats = StepStats(self.copies)
@@ -442,7 +456,8 @@ class StreamMode:
         if self._peak_ref is None and not self.copies.synchronous:
             # Frozen from here on: what the write-backs still hold in the next forward, and the early
             # loads, count in later peaks, and must not raise the limits derived from them.
-            self._peak_ref = self.acc.max_memory_allocated()
+            self._sample_peak()  # the step's
+            self._peak_ref = self._peak_seen
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
 
@@ -485,6 +500,7 @@ class StreamMode:
         # Counted in the stats of the step that updated them.
         return sum(self._write_back(i, self.last_stats) for i in todo)
 
+    @torch.compiler.disable  # bookkeeping with device queries: not for dynamo to trace
     def _forward_pre_hook(self, module, args):
         """Before every module's forward (overlap on), while the last step's write-backs still hold
         buffers: let go of those that have landed, and while the device's allocation is within two

@@ -58,7 +58,7 @@ class DeferredCopies:
             fn()
             stream.done += 1
 
-    def alloc(self, numel):
+    def alloc(self, numel, record=True):
         return {dt: torch.full((n, ), float("nan"), dtype=dt) for dt, n in numel.items()}, None
 
     def h2d(self, dst, src, waits):

@@ -34,8 +34,9 @@ class RecordingCopies(SyncCopies):
         self.n += 1
         return Event(f"{kind}{self.n}")
 
-    def alloc(self, numel):
+    def alloc(self, numel, record=True):
         bufs, _ = super().alloc(numel)
+        self.records = getattr(self, "records", []) + [record]
         return bufs, self._ev("alloc")
 
     def h2d(self, dst, src, waits):
@@ -361,9 +362,18 @@ def test_untracked_write_backs_and_drain_hold_nothing():
     assert len(t.landing) == 1
     t.drain()  # every write-back waited for: nothing left to hold
     assert not t.landing
-    t.load(2)
-    t.arrive(2)
-    t.mark_updated(2)
-    t.write_back(2)
-    t.reclaim_all()
-    assert not t.landing
+
+
+def test_tracked_own_buffers_skip_record_stream_and_a_release_waits_for_the_load():
+    """record_stream would keep a dropped block out of use until every copy queued by then ended;
+    tracked buffers go without it, so letting go of one unused must order it after its load."""
+    copies = LandingCopies()
+    t = make_table(copies)
+    t.load(0)  # untracked own buffers: record_stream as before
+    t.track_write_backs = True
+    t.load(1)
+    t.load(2, slot=0)  # slots: always recorded
+    assert copies.records == [True, False, True, True]  # (the slots are allocated two at once)
+    loaded = t[1].loaded
+    t.release(1)
+    assert copies.waits[-1] == ("compute", [loaded])
