@@ -292,6 +292,36 @@ def test_gpu_a_write_back_waits_for_the_update(control):
         "the write-back copied the state from before the update"
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("control", [False, True], ids=["no_record_stream", "control_with_record_stream"])
+def test_gpu_a_held_write_back_is_reusable_once_its_own_copy_landed(control):
+    """Stream mode's forward waits for the oldest held write-back to reuse its memory: that block
+    must be reusable once its own copy has landed, while a later write-back still runs. With
+    record_stream (the control) a block let go then waits for every copy queued by then."""
+    numel = 1 << 20
+    t = _gpu_table(numel)
+    t.track_write_backs = True
+    if control:
+        real = t.copies.alloc
+        t.copies.alloc = lambda n, record=True: real(n, record=True)
+    for i in range(2):
+        t.load(i)
+        t.arrive(i)
+        t.mark_updated(i)
+    t.write_back(0)
+    block = t.landing[0][0][torch.float32].data_ptr()
+    with torch.cuda.stream(t.copies.d2h_stream):
+        torch.cuda._sleep(SPIN)  # the next write-back is still running while 0 is let go
+    t.write_back(1)
+    t.reclaim_oldest()  # waits for sub-group 0's copy alone
+    again = torch.empty(2 * numel, dtype=torch.float32, device="cuda")
+    reused = again.data_ptr() == block
+    torch.cuda.synchronize()
+    assert reused is not control, "a block let go with record_stream was reused before the later copy ended" \
+        if control else "the held buffer's memory was not reusable once its own write-back landed"
+
+
 def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
     """A load may start before the sub-group's last write-back landed (the copy waits for it on the
     device): a CPU reader draining then must still wait for that write-back."""
