@@ -9,6 +9,8 @@ down (``DS_OFFLOAD_TEST_WRITE_DELAY``) so that the Trainer's rotation runs while
 unless our guard waits for it. Accelerate, one launch: the same loop without and then with offload.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -99,3 +101,11 @@ def test_lightning_deepspeed_strategy(tmp_path):
         results[name] = torch.load(out, weights_only=False)
     assert results["plain"]["bytes_moved"] == 0 and results["offload"]["bytes_moved"] > 0
     assert_params_equal(results["offload"]["params"], results["plain"]["params"])
+    # ModelCheckpoint(every_n_train_steps=2, save_top_k=1) with async writes: Lightning deleted each
+    # older checkpoint right after the next save; only the newest is left, written by us and whole
+    from deepspeed_offload.runtime import checkpoint as ck
+    kept = sorted(p.name for p in (tmp_path / "offload").iterdir() if p.name.endswith(".ckpt"))
+    assert kept == ["epoch=0-step=6.ckpt"], kept
+    tag = tmp_path / "offload" / kept[0] / "checkpoint"
+    assert any(ck._MARKER_RE.match(n) for n in os.listdir(tag)), sorted(os.listdir(tag))  # ours, complete
+    assert ck.verify_checkpoint(str(tag)) is None
