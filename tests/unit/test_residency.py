@@ -203,11 +203,22 @@ def _without_waits(table):
     table.copies.h2d = lambda dst, src, waits: real(dst, src, ())
 
 
-def _slow_update(t, i):
-    torch.cuda._sleep(SPIN)  # the compute stream is busy: the update lands late
+def _update(t, i, slow=False):
+    if slow:
+        torch.cuda._sleep(SPIN)  # the compute stream is busy: the update lands late
     t.view(i, MASTER).add_(1)
     t.view(i, "exp_avg").add_(1)
     t.mark_updated(i)
+
+
+def _host_holds(t, i, value):
+    host = t.store.view(i, MASTER)
+    return torch.equal(host, torch.full_like(host, value))
+
+
+def _assert_only_the_control_races(ok, control, failure):
+    """``ok``: the waits held. It must be true with them and false in the negative control."""
+    assert ok is not control, "the control must see the race: widen SPIN" if control else failure
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams and events)")
@@ -226,9 +237,7 @@ def test_gpu_a_load_waits_for_its_own_previous_write_back(control):
         t.copies.h2d = lambda dst, src, waits: real(dst, src, tuple(waits)[:1])
     t.load(1)
     t.arrive(1)
-    t.view(1, MASTER).add_(1)
-    t.view(1, "exp_avg").add_(1)
-    t.mark_updated(1)
+    _update(t, 1)
     with torch.cuda.stream(t.copies.d2h_stream):
         torch.cuda._sleep(SPIN)  # the write-back below lands late
     t.write_back(1)
@@ -236,7 +245,7 @@ def test_gpu_a_load_waits_for_its_own_previous_write_back(control):
     t.arrive(1)
     torch.cuda.synchronize()
     fresh = torch.equal(t.view(1, MASTER).cpu(), torch.full((1 << 20, ), 11.0))
-    assert fresh is not control, "the control must see the race: widen SPIN" if control else "loaded stale state"
+    _assert_only_the_control_races(fresh, control, "loaded stale state")
 
 
 @pytest.mark.gpu
@@ -253,9 +262,7 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
         _without_waits(t)
     t.load(0, slot=0)
     t.arrive(0)
-    t.view(0, MASTER).add_(1)
-    t.view(0, "exp_avg").add_(1)
-    t.mark_updated(0)
+    _update(t, 0)
     with torch.cuda.stream(t.copies.d2h_stream):
         torch.cuda._sleep(SPIN)  # the write-back below lands late
     t.write_back(0)  # D2H from slot 0
@@ -263,11 +270,8 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
     t.arrive(1)
     torch.cuda.synchronize()
     t.drain()
-    host0 = t.store.view(0, MASTER)
-    intact = torch.equal(host0, torch.full_like(host0, 1.0)) and torch.equal(t.view(1, MASTER).cpu(),
-                                                                              torch.full((1 << 20, ), 10.0))
-    assert intact is not control, "the control must see the race: widen SPIN" if control else \
-        "slot 0 was overwritten before its write-back"
+    intact = _host_holds(t, 0, 1.0) and torch.equal(t.view(1, MASTER).cpu(), torch.full((1 << 20, ), 10.0))
+    _assert_only_the_control_races(intact, control, "slot 0 was overwritten before its write-back")
 
 
 @pytest.mark.gpu
@@ -282,14 +286,12 @@ def test_gpu_a_write_back_waits_for_the_update(control):
         t.copies.d2h = lambda dst, src, waits: real(dst, src, ())
     t.load(0)
     t.arrive(0)
-    _slow_update(t, 0)
+    _update(t, 0, slow=True)
     t.write_back(0)
     torch.cuda.synchronize()
     t.drain()
-    host0 = t.store.view(0, MASTER)
-    updated = torch.equal(host0, torch.full_like(host0, 1.0))
-    assert updated is not control, "the control must see the race: widen SPIN" if control else \
-        "the write-back copied the state from before the update"
+    _assert_only_the_control_races(_host_holds(t, 0, 1.0), control,
+                                   "the write-back copied the state from before the update")
 
 
 @pytest.mark.gpu
