@@ -203,8 +203,9 @@ class ResidencyTable:
 
     def reclaim_oldest(self) -> int:
         """Wait (on the CPU) for the oldest held write-back to land, then let go of its buffers; its bytes."""
-        _, written, nbytes = self.landing.popleft()
+        bufs, written, nbytes = self.landing.popleft()
         self.copies.wait_host(written)
+        del bufs  # only now: the copy no longer reads them
         return nbytes
 
     def landing_bytes(self) -> int:

@@ -351,13 +351,18 @@ class StreamMode:
             return None
         grad = self.layout.grad_bytes
         reserve = 2 * self.slot_bytes + grad * 3 // 2 + (2 * grad if self.steps == 0 else 0)
-        peak = self.acc.max_memory_allocated() if self._peak_ref is None else self._peak_ref
+        if self._peak_ref is None:
+            peak = self.acc.max_memory_allocated()
+            self._peak_seen = max(self._peak_seen, peak)  # backward's, sampled as it goes
+        else:
+            peak = self._peak_ref
         return peak - reserve
 
     def _sample_peak(self):
         """During the first iteration, at each phase boundary (the backward's start, the step's start
-        and end): the device's peak since the last reset, whoever reset it (a benchmark between
-        backward and step, say), so the frozen reference covers forward, backward and step."""
+        and end; backward's own polls sample it too, in ``_early_limit``): the device's peak since
+        the last reset, whoever reset it (a benchmark between backward and step, say), so the frozen
+        reference covers forward, backward and step."""
         if self._peak_ref is None and not self.copies.synchronous:
             self._peak_seen = max(self._peak_seen, self.acc.max_memory_allocated())
 
@@ -433,6 +438,7 @@ class StreamMode:
             # State created by this step (lazy optimizer state) goes into the buffers, to leave with the rest.
             _move_into(t, view)
         self.stats.span("update", (self._update_start, self.copies.clock()))
+        self.table.reclaim_landed()  # earlier sub-groups' write-backs that have landed: their memory back
         self.table.mark_updated(i)
         if self.stats.sub_groups == 0:
             self._guard()  # the first write to the host store in this step
@@ -458,6 +464,7 @@ class StreamMode:
             # loads, count in later peaks, and must not raise the limits derived from them.
             self._sample_peak()  # the step's
             self._peak_ref = self._peak_seen
+        self._next_pace = 0.0  # the next forward's first module looks at the write-backs just queued
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
 
