@@ -14,7 +14,7 @@ from typing import Any, Dict
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.utils import log_dist, logger
 
-from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, Plan, check_host_memory, load_ds_config, local_ranks,
+from .config import (BLOCK, ConfigError, Plan, check_host_memory, load_ds_config, local_ranks, state_bytes_per_rank,
                      resolve_config_source, validate)
 
 HANDLE_ATTR = "_deepspeed_offload"
@@ -111,7 +111,7 @@ def _check_host_memory_before_deepspeed(plan: Plan, model):
         return
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    per_rank = -(-params // world) * STATE_BYTES_PER_PARAM
+    per_rank = state_bytes_per_rank(params, world)
     budget = plan.offload.memory_budget_gb
     if budget:
         per_rank = max(0, per_rank - int(budget * 2**30))

@@ -57,6 +57,8 @@ import zlib
 
 import torch
 
+from .config import state_bytes_per_rank
+
 # Every name --modes accepts, besides compile_offload@<budget> and the shorthands below.
 MODES = ["bandwidth", "resident", "stream", "stream_overlap", "stream_prefetch", "offload_states", "zero_offload",
          "checkpoint", "compiled", "compile_offload", "compile_offload_budget", "compile_offload_full",
@@ -424,7 +426,7 @@ def worker(mode, args):
     if args.timeline and mode in TIMELINE_MODES:
         out["timeline"] = traced(iteration, acc)
     out.update(params=nparams, iters=args.iters, warmup=warmup, model=args.model, ranks=world,
-               state_GiB=nparams * 12 / GiB)
+               state_GiB=state_bytes_per_rank(nparams, 1) / GiB)
     handle = deepspeed_offload.get_handle(engine)
     if mode == "checkpoint":
         out.update(checkpoint_times(engine, handle, loss_of, args, acc))
@@ -577,8 +579,6 @@ def estimate(nparams, world):
 
 def checkpoint_times(engine, handle, loss_of, args, acc):
     """DeepSpeed's synchronous save against ours, on the same engine and state."""
-    import shutil
-
     import deepspeed_offload
     root = args.ckpt_dir
     shutil.rmtree(root, ignore_errors=True)
@@ -776,7 +776,7 @@ def summarize(results, args):
     bw = results.get("bandwidth", {})
     ranks = getattr(args, "ranks", 1) or 1
     params = next((r["params"] for r in results.values() if "params" in r), None)
-    state_bytes = -(-params // ranks) * 12 if params else None
+    state_bytes = state_bytes_per_rank(params, ranks) if params else None
     floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
     summary = {"floor_s": floor_s, "state_bytes_per_rank": state_bytes, "results": results,
                "date": time.strftime("%Y-%m-%d"), "args": args_record(args)}

@@ -10,7 +10,7 @@ import json
 import math
 import sys
 
-from .config import (BLOCK, STATE_BYTES_PER_PARAM, ConfigError, check_host_memory, format_bytes, load_ds_config,
+from .config import (BLOCK, ConfigError, check_host_memory, format_bytes, load_ds_config, state_bytes_per_rank,
                      validate)
 
 
@@ -54,7 +54,7 @@ def cmd_check(ns) -> int:
         host_line = ""
         if plan is not None and ns.params:
             world = ns.world_size or 1
-            per_rank = -(-ns.params // world) * STATE_BYTES_PER_PARAM
+            per_rank = state_bytes_per_rank(ns.params, world)
             check_host_memory(per_rank * ns.ranks_per_node, what=f"{ns.ranks_per_node} rank(s) on this node")
             host_line = f", host memory {format_bytes(per_rank)} per rank"
     except ConfigError as e:
@@ -68,7 +68,8 @@ def cmd_check(ns) -> int:
     origin = "from sub_group_mb" if plan.sub_group_size_set_by_us else "set by zero_optimization"
     budget = "derived from the device" if o.memory_budget_gb is None else f"{o.memory_budget_gb:g} GiB"
     print(f"{ns.config}: OK; mode {plan.mode}, sub_group_size {plan.sub_group_size} elements ({origin}), "
-          f"pin_memory {o.pin_memory}, prefetch {o.prefetch}, resident budget {budget}{host_line}")
+          f"pin_memory {o.pin_memory}, overlap {o.overlap}, prefetch {o.prefetch}, resident budget {budget}"
+          f"{host_line}")
     return 0
 
 
@@ -90,7 +91,7 @@ def cmd_estimate(ns) -> int:
     except ConfigError as e:
         print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
         return 2
-    per_rank = -(-ns.params // ns.world_size) * STATE_BYTES_PER_PARAM
+    per_rank = state_bytes_per_rank(ns.params, ns.world_size)
     resident = 0 if budget_gb is None else min(per_rank, int(budget_gb * 2**30))
     offloaded = per_rank - resident
     slot = min(offloaded, sub_group_mb * 2**20)

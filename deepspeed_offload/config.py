@@ -29,6 +29,11 @@ BLOCK = "optimizer_state_offload"
 # Adam's fp32 master weight plus its two moments: what one parameter costs in the host store.
 STATE_BYTES_PER_PARAM = 12
 
+
+def state_bytes_per_rank(params: int, world: int) -> int:
+    """The optimizer state one of ``world`` ZeRO-3 ranks holds for ``params`` parameters."""
+    return -(-params // world) * STATE_BYTES_PER_PARAM
+
 # DeepCompile itself needs torch 2.6 (deepspeed.compile.util.is_deepcompile_supported).
 MIN_TORCH_FOR_COMPILE = "2.6"
 

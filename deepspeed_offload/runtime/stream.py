@@ -23,7 +23,7 @@ One iteration with ``overlap`` on (the default)::
     next forward:   the write-backs drain; each sub-group's buffers are let go once its copy has
                     landed, and sooner (the CPU waits for the oldest copy) where the forward's own
                     memory would otherwise climb over the peak of the first iteration
-                    (``_forward_pre_hook``, on every module). DeepSpeed's
+                    (``_forward_pre_hook``, on every module that owns parameters). DeepSpeed's
                     throughput timer would synchronize the device at the step's end and make the
                     step wait for them: attach turns that off (``_unsynchronize_throughput_timer``).
 
@@ -178,8 +178,11 @@ class StreamMode:
             patch(engine, name, lambda orig, name=name: self._refuse(name))
         if self.overlap:
             self._unsynchronize_throughput_timer()
+            # The modules that own parameters: where ZeRO-3 gathers and the forward allocates, and
+            # not every container around them (each hook is a Python call in every forward).
             for module in engine.module.modules():
-                self.patches.hook(module.register_forward_pre_hook(self._forward_pre_hook))
+                if next(module.parameters(recurse=False), None) is not None:
+                    self.patches.hook(module.register_forward_pre_hook(self._forward_pre_hook))
 
     def _unsynchronize_throughput_timer(self):
         """DeepSpeed's throughput timer (on by default) synchronizes the device at the end of every
@@ -352,10 +355,8 @@ class StreamMode:
         grad = self.layout.grad_bytes
         reserve = 2 * self.slot_bytes + grad * 3 // 2 + (2 * grad if self.steps == 0 else 0)
         if self._peak_ref is None:
-            peak = self.acc.max_memory_allocated()
-            self._peak_seen = max(self._peak_seen, peak)  # backward's, sampled as it goes
-        else:
-            peak = self._peak_ref
+            self._sample_peak()  # backward's, as it goes
+        peak = self._peak_seen if self._peak_ref is None else self._peak_ref
         return peak - reserve
 
     def _sample_peak(self):
@@ -459,10 +460,10 @@ class StreamMode:
     def _end_step(self):
         self.table.free_slots()  # back to the allocator; record_stream holds the blocks until the copies end
         self._in_step = False
+        self._sample_peak()  # the step's (first iteration only)
         if self._peak_ref is None and not self.copies.synchronous:
             # Frozen from here on: what the write-backs still hold in the next forward, and the early
             # loads, count in later peaks, and must not raise the limits derived from them.
-            self._sample_peak()  # the step's
             self._peak_ref = self._peak_seen
         self._next_pace = 0.0  # the next forward's first module looks at the write-backs just queued
         self.steps += 1
@@ -509,8 +510,9 @@ class StreamMode:
 
     @torch.compiler.disable  # bookkeeping with device queries: not for dynamo to trace
     def _forward_pre_hook(self, module, args):
-        """Before every module's forward (overlap on), while the last step's write-backs still hold
-        buffers: let go of those that have landed, and while the device's allocation is within two
+        """Before the forward of every module that owns parameters (overlap on), while the last
+        step's write-backs still hold buffers: let go of those that have landed, and while the
+        device's allocation is within two
         staging slots of the peak up to the first step's end, wait for the oldest write-back and let
         go of it, so the forward's memory comes before the write-backs'. At most every
         ``EARLY_POLL_S``; on the CPU accelerator nothing waits (the copies are done already)."""

@@ -46,6 +46,8 @@ def tensors_equal(a, b, where=""):
         return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float, str, bool, type(None))):
+        return a == b
     return True  # objects such as the loss scaler are compared through the tensors they produce
 
 

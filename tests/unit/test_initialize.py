@@ -274,22 +274,24 @@ def test_guards_wait_for_the_write_before_deleting(monkeypatch):
     from deepspeed_offload import integrations
     log = []
     engine = _engine_with_checkpointer(log)
-    rotate = integrations._after_writes("rotation")(lambda *a, **k: log.append(("rotate", a, k)))
-    rotate("run", save_total_limit=1)
-    assert log == ["join", ("rotate", ("run", ), {"save_total_limit": 1})]  # rank-local: no collective
+    try:
+        rotate = integrations._after_writes("rotation")(lambda *a, **k: log.append(("rotate", a, k)))
+        rotate("run", save_total_limit=1)
+        assert log == ["join", ("rotate", ("run", ), {"save_total_limit": 1})]  # rank-local: no collective
 
-    log.clear()
-    save_state = integrations._before_save_state(lambda self, *a: log.append("save_state"))
-    save_state(type("Accelerator", (), {"_models": [engine, torch.nn.Linear(1, 1)]})())
-    assert log == ["wait", "save_state"]  # every rank calls save_state: the collective wait
+        log.clear()
+        save_state = integrations._before_save_state(lambda self, *a: log.append("save_state"))
+        save_state(type("Accelerator", (), {"_models": [engine, torch.nn.Linear(1, 1)]})())
+        assert log == ["wait", "save_state"]  # every rank calls save_state: the collective wait
 
-    log.clear()
-    errors = []
-    monkeypatch.setattr(integrations.logger, "error", errors.append)
-    getattr(engine, api.HANDLE_ATTR).checkpointer._error = RuntimeError("disk full")
-    rotate("run", save_total_limit=1)
-    assert log == ["join"] and "disk full" in errors[0]  # rotation skipped: the older checkpoints stay
-    api._attached.discard(engine)
+        log.clear()
+        errors = []
+        monkeypatch.setattr(integrations.logger, "error", errors.append)
+        getattr(engine, api.HANDLE_ATTR).checkpointer._error = RuntimeError("disk full")
+        rotate("run", save_total_limit=1)
+        assert log == ["join"] and "disk full" in errors[0]  # rotation skipped: the older checkpoints stay
+    finally:
+        api._attached.discard(engine)
 
 
 def test_end_of_training_deletion_and_hub_uploads_wait_for_the_write():
