@@ -17,7 +17,7 @@ Modes:
                   every rank alone, then all ranks at once after a barrier)
   resident        plain ZeRO-3, FusedAdam, states on the GPU
   stream          deepspeed-offload stream mode, everything offloaded (memory_budget_gb 0), overlap off
-  stream_overlap  the same with overlap on: loads during backward, write-backs during the next forward
+  stream_overlap  the same with overlap on: loads during the last backward, ahead of the step
   offload_states  plain ZeRO-3 with engine.reload_states() before and offload_states(optim_states,
                   hp_params) after each step: the same state our modes offload
   zero_offload    ZeRO-Offload: offload_optimizer.device=cpu, DeepSpeedCPUAdam

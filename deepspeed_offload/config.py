@@ -81,7 +81,7 @@ class OffloadConfig(BaseModel):
     pin_memory: bool = True
     prefetch: bool = True
     memory_budget_gb: Optional[float] = _gib_field()
-    # Stream mode: load sub-groups during backward and write them back during the next forward.
+    # Stream mode: load sub-groups during the last backward, as it frees memory, ahead of the step.
     overlap: bool = True
     # Device memory early loads may hold; null: derived from the peak measured since attach.
     overlap_memory_gb: Optional[float] = _gib_field()

@@ -6,7 +6,7 @@ Two implementations with one interface, picked by ``make_copies()`` at attach (t
 - ``AsyncCopies`` (a GPU): an H2D stream and a D2H stream of their own, events to order them
   against the compute stream, ``record_stream`` so that the caching allocator does not hand a
   buffer to anyone else before the copies that use it are done. Nothing here blocks the CPU
-  except ``wait_host`` (and ``elapsed``, when stats are read); ``done`` asks without waiting.
+  except ``wait_host`` (and ``elapsed``, when stats are read).
 - ``SyncCopies`` (the CPU accelerator: device memory is host memory, there are no streams): every
   copy runs at once, events are ``None``, waits are no-ops. The runtime's bookkeeping is the same
   code, so CI tests it for real.
@@ -33,10 +33,8 @@ class SyncCopies:
     def __init__(self, acc=None):
         self.acc = acc or get_accelerator()
 
-    def alloc(self, numel: Dict[torch.dtype, int], record: bool = True) -> Tuple[Buffers, object]:
-        """Device buffers; and what a copy into them must wait for (None: nothing). ``record=False``:
-        the caller lets go of them only once their copies are done or the compute stream waits for
-        them (the residency table's held write-backs), so the allocator may reuse them at once."""
+    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
+        """Device buffers; and what a copy into them must wait for (None: nothing)."""
         device = self.acc.current_device_name()
         return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}, None
 
@@ -62,10 +60,6 @@ class SyncCopies:
     def wait_host(self, event) -> None:
         pass
 
-    def done(self, event) -> bool:
-        """Whether ``event`` has happened, without waiting."""
-        return True
-
     def clock(self) -> object:
         return time.perf_counter()
 
@@ -88,19 +82,16 @@ class AsyncCopies:
         ev.record(stream)
         return ev
 
-    def alloc(self, numel: Dict[torch.dtype, int], record: bool = True) -> Tuple[Buffers, object]:
+    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
         # On the compute stream, so the blocks come from (and go back to) the pool activations use.
         # The allocator may hand out blocks the compute stream's queued work still reads: a copy
         # into them waits for the event returned here. record_stream: when these buffers are
-        # dropped, the blocks are not reused before *all* the copy streams' work queued by then is
-        # done (not only the copies of these buffers), hence ``record=False`` for the table's
-        # held write-backs, which it lets go only once their own copy is done or waited for.
+        # dropped, the blocks are not reused before the copy streams' work queued by then is done.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
-        if record:
-            for buf in bufs.values():
-                buf.record_stream(self.h2d_stream)
-                buf.record_stream(self.d2h_stream)
+        for buf in bufs.values():
+            buf.record_stream(self.h2d_stream)
+            buf.record_stream(self.d2h_stream)
         return bufs, self._event(self.acc.current_stream())
 
     def _wait(self, stream, waits):
@@ -134,9 +125,6 @@ class AsyncCopies:
     def wait_host(self, event) -> None:
         if event is not None:
             event.synchronize()
-
-    def done(self, event) -> bool:
-        return event is None or event.query()
 
     def clock(self) -> object:
         return self._event(self.acc.current_stream(), timing=True)

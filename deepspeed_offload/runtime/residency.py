@@ -19,13 +19,10 @@ are the only callers of ``move``; each verb decides what its copy waits for:
 - a write-back waits for the update (an event on the compute stream: no host wait);
 - ``drain``: the CPU waits for every write-back (before anything on the CPU reads host state).
 
-With ``track_write_backs`` (stream mode's overlap), buffers of their own that a write-back still
-reads stay referenced in ``landing``, oldest first, until the copy is seen done (``reclaim_landed``)
-or waited for (``reclaim_oldest``): until then the device's allocation counts them, so the memory
-limits and peaks see what the write-backs still hold in the next forward. Such buffers are
-allocated without ``record_stream`` (which would keep a dropped block from reuse until every copy
-queued by then had ended, not only its own), so every path that lets go of one first knows its last
-copy done, or makes the compute stream wait for it (``release``).
+Buffers of a sub-group's own are allocated with ``record_stream`` on both copy streams: dropped
+after its write-back is queued, a block goes back to the allocator, which hands it out again only
+once the copies queued by then have ended. Stream mode's step waits for its write-backs before it
+returns (``drain``), so between steps the device holds none of them.
 
 A sub-group's device buffers are a staging slot (shared, index 0 or 1) or buffers of its own
 (loaded early, ahead of the step). The DeepSpeed tensors' ``.data`` rebinding is not done here:
@@ -33,8 +30,7 @@ the streamed step (``runtime/stream.py``) points them at ``view(i, key)`` or at 
 """
 
 import enum
-from collections import deque
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from .host_store import HostStore
 
@@ -106,8 +102,6 @@ class ResidencyTable:
         self.slot_free: List[object] = [None, None]  # per slot: what a load into it waits for
         self.last_load = None  # event of the newest H2D
         self.last_write = None  # event of the newest D2H
-        self.track_write_backs = False  # keep written-back own buffers in ``landing`` until they land
-        self.landing: Deque[Tuple[dict, object, int]] = deque()  # (buffers, write-back event, bytes)
 
     def __getitem__(self, i) -> Residency:
         return self.of[i]
@@ -132,7 +126,7 @@ class ResidencyTable:
         r = self.of[i]
         r.move(Phase.LOADING)
         if slot is None:
-            bufs, ready = self.copies.alloc(self.store.region_numel(i), record=not self.track_write_backs)
+            bufs, ready = self.copies.alloc(self.store.region_numel(i))
         else:
             if self.slots is None:
                 self._allocate_slots()
@@ -162,8 +156,6 @@ class ResidencyTable:
         r.written, span = self.copies.d2h(self._regions(i), r.buffers, waits=(r.updated, ))
         if r.slot is not None:
             self.slot_free[r.slot] = r.written
-        elif self.track_write_backs:
-            self.landing.append((r.buffers, r.written, self.store_bytes(i)))
         self.last_write = r.written
         r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
         return self.store_bytes(i), span
@@ -171,8 +163,6 @@ class ResidencyTable:
     def release(self, i: int):
         """Drop ``i``'s device copy unused: the host store still holds its state."""
         r = self.of[i]
-        if self.track_write_backs and r.slot is None:
-            self.copies.compute_waits(r.loaded)  # no record_stream: the load must end before reuse
         r.move(Phase.ON_HOST)
         r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
 
@@ -188,28 +178,8 @@ class ResidencyTable:
         on one stream, so the newest one's event covers them all, including the write-back of a
         sub-group already loading again (WRITING_BACK -> LOADING keeps no other trace of it)."""
         self.copies.wait_host(self.last_write)
-        self.landing.clear()  # every write-back has landed
         for i in self.in_phase(Phase.WRITING_BACK):
             self.of[i].move(Phase.ON_HOST)
-
-    # ------------------------------------------------------------------ written-back buffers still held
-
-    def reclaim_landed(self) -> int:
-        """Let go of the held buffers whose write-backs have landed, without waiting; their bytes."""
-        freed = 0
-        while self.landing and self.copies.done(self.landing[0][1]):
-            freed += self.landing.popleft()[2]
-        return freed
-
-    def reclaim_oldest(self) -> int:
-        """Wait (on the CPU) for the oldest held write-back to land, then let go of its buffers; its bytes."""
-        bufs, written, nbytes = self.landing.popleft()
-        self.copies.wait_host(written)
-        del bufs  # only now: the copy no longer reads them
-        return nbytes
-
-    def landing_bytes(self) -> int:
-        return sum(nbytes for _, _, nbytes in self.landing)
 
     # ------------------------------------------------------------------ slots
 

@@ -20,12 +20,12 @@ One iteration with ``overlap`` on (the default)::
         h2d stream:      load next -> slot B     (after slot B's previous write-back)
         compute stream:  wait(load i); prepare, clip, optimizer.step(), copy to bf16, in slot A
         d2h stream:      write back i from slot A (after the update of i)
-    next forward:   the write-backs drain; each sub-group's buffers are let go once its copy has
-                    landed, and sooner (the CPU waits for the oldest copy) where the forward's own
-                    memory would otherwise climb over the peak of the first iteration
-                    (``_forward_pre_hook``, on every module that owns parameters). DeepSpeed's
-                    throughput timer would synchronize the device at the step's end and make the
-                    step wait for them: attach turns that off (``_unsynchronize_throughput_timer``).
+    step's end:     the CPU waits for the last write-back (``_end_step``): between steps the device
+                    holds none of the state, whatever else synchronizes or not.
+
+Write-backs are not carried into the next forward. That was built and measured (2026-11-30, H200,
+docs/benchmarks.md): the forward's activations grow faster than PCIe drains the state, so the
+forward had to wait for the write-backs to keep the peak, and the iteration got no faster.
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups
 into the two slots. The DeepSpeed tensor objects never change: ``fp32_partitioned_groups_flat[i]``
@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import log_dist, logger
+from deepspeed.utils import log_dist
 
 from ..config import OffloadConfig, format_bytes
 from .checkpoint import AsyncCheckpointer
@@ -114,7 +114,6 @@ class StreamMode:
         self.store = HostStore(self.layout.entries, cfg.pin_memory)
         self.table = ResidencyTable(self.store, self.copies, self.layout.slot_numel)
         self.overlap = cfg.overlap and self.OVERLAP_IN_BACKWARD
-        self.table.track_write_backs = self.overlap  # their buffers count until they have landed
         # overlap_memory_gb in bytes: what the early loads may hold together (None: derived limit)
         self.early_cap = None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30)
         self._early_window = False  # the boundary micro-batch's backward is running: early loads allowed
@@ -123,7 +122,6 @@ class StreamMode:
         self._next_poll = 0.0  # when the gradient hook may query device memory again
         self._peak_seen = 0  # the device's peak, sampled at the first iteration's phase boundaries
         self._peak_ref: Optional[int] = None  # the first iteration's peak, frozen: what later ones stay under
-        self._next_pace = 0.0  # when a forward pre-hook may query device memory again
         self._update_start = None
         self._in_step = False
         self.steps = 0
@@ -176,36 +174,6 @@ class StreamMode:
             patch(opt, GRADIENT_HOOK, lambda orig: self._wrap_gradient_hook(orig))
         for name in ("offload_states", "reload_states"):
             patch(engine, name, lambda orig, name=name: self._refuse(name))
-        if self.overlap:
-            self._unsynchronize_throughput_timer()
-            # The modules that own parameters: where ZeRO-3 gathers and the forward allocates, and
-            # not every container around them (each hook is a Python call in every forward).
-            for module in engine.module.modules():
-                if next(module.parameters(recurse=False), None) is not None:
-                    self.patches.hook(module.register_forward_pre_hook(self._forward_pre_hook))
-
-    def _unsynchronize_throughput_timer(self):
-        """DeepSpeed's throughput timer (on by default) synchronizes the device at the end of every
-        ``engine.step()`` and the start of every forward: the step's write-backs would then finish
-        inside the step instead of during the next forward. Left to its default, its synchronization
-        is turned off for this engine (its figures come from the CPU clock then, which DeepSpeed's
-        docs call sufficient in many cases); set explicitly in the ds_config, it is kept, with a
-        warning."""
-        timer = getattr(self.engine, "tput_timer", None)
-        cfg = getattr(timer, "config", None)
-        if cfg is None or not getattr(cfg, "enabled", False) or not getattr(cfg, "synchronized", False):
-            return
-        if "synchronized" in getattr(cfg, "model_fields_set", ()):
-            logger.warning("[deepspeed-offload] timers.throughput.synchronized is true in the ds_config: DeepSpeed "
-                           "synchronizes the device at every step's end, so the step's write-backs cannot overlap "
-                           "the next forward; set it to false (or leave it out) for the overlap")
-            return
-        # A copy of the timer's config, not an assignment to it: pydantic would count an assigned
-        # field as set by the user, and a later attach to this engine would keep it synchronized.
-        self.patches.patch(timer, "config", lambda orig: orig.model_copy(update={"synchronized": False}))
-        log_dist("[deepspeed-offload] DeepSpeed's throughput timer no longer synchronizes the device at each step "
-                 "(it would wait for the write-backs that overlap the next forward); "
-                 "timers.throughput.synchronized: true in the ds_config keeps it", ranks=[0])
 
     def detach(self):
         """Undo attach: write everything back, point the optimizer's tensors at device copies of
@@ -264,12 +232,8 @@ class StreamMode:
 
         def gradient_ready(param):
             result = orig(param)
-            if (self._early_window or self.table.landing) and time.perf_counter() >= self._next_poll:
-                self.table.reclaim_landed()  # write-backs that outlasted the forward, landed since
-                if self._early_window:
-                    self.prefetch_for_step()
-                else:
-                    self._next_poll = time.perf_counter() + EARLY_POLL_S
+            if self._early_window and time.perf_counter() >= self._next_poll:
+                self.prefetch_for_step()
             return result
 
         return gradient_ready
@@ -348,7 +312,7 @@ class StreamMode:
         built from (1.5x), and at the first step the moments the optimizer creates for it (2x). So
         the iteration's peak does not rise. The peak: during the first iteration the device's, since
         attach (reset once there); from the first step's end on, that iteration's, frozen
-        (``_peak_ref``), so that neither what the overlap holds nor a reset of the device's peak
+        (``_peak_ref``), so that neither the early loads themselves nor a reset of the device's peak
         statistics by other code moves it. None (no limit) on the CPU accelerator."""
         if self.early_cap is not None or self.copies.synchronous:
             return None
@@ -386,7 +350,6 @@ class StreamMode:
 
     def _begin_step(self):
         self.offload_for_forward()  # no forward ran since the last step: those buffers are the newest copy
-        self.table.reclaim_landed()  # the last step's write-backs, landed during forward and backward
         self._sample_peak()  # backward's
         self._in_step = True
         if self.stats is None:
@@ -439,7 +402,6 @@ class StreamMode:
             # State created by this step (lazy optimizer state) goes into the buffers, to leave with the rest.
             _move_into(t, view)
         self.stats.span("update", (self._update_start, self.copies.clock()))
-        self.table.reclaim_landed()  # earlier sub-groups' write-backs that have landed: their memory back
         self.table.mark_updated(i)
         if self.stats.sub_groups == 0:
             self._guard()  # the first write to the host store in this step
@@ -459,13 +421,14 @@ class StreamMode:
 
     def _end_step(self):
         self.table.free_slots()  # back to the allocator; record_stream holds the blocks until the copies end
+        if not self.DEFER_WRITE_BACK:
+            self.table.drain()  # the step returns with every write-back landed: nothing held after it
         self._in_step = False
         self._sample_peak()  # the step's (first iteration only)
         if self._peak_ref is None and not self.copies.synchronous:
-            # Frozen from here on: what the write-backs still hold in the next forward, and the early
-            # loads, count in later peaks, and must not raise the limits derived from them.
+            # Frozen from here on: the early loads count in later peaks, and must not raise the limits
+            # derived from them.
             self._peak_ref = self._peak_seen
-        self._next_pace = 0.0  # the next forward's first module looks at the write-backs just queued
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
 
@@ -507,29 +470,6 @@ class StreamMode:
             self._guard()  # an async checkpoint may still be reading the host copy this overwrites
         # Counted in the stats of the step that updated them.
         return sum(self._write_back(i, self.last_stats) for i in todo)
-
-    @torch.compiler.disable  # bookkeeping with device queries: not for dynamo to trace
-    def _forward_pre_hook(self, module, args):
-        """Before the forward of every module that owns parameters (overlap on), while the last
-        step's write-backs still hold buffers: let go of those that have landed, and while the
-        device's allocation is within two
-        staging slots of the peak up to the first step's end, wait for the oldest write-back and let
-        go of it, so the forward's memory comes before the write-backs'. At most every
-        ``EARLY_POLL_S``; on the CPU accelerator nothing waits (the copies are done already)."""
-        if not self.table.landing:
-            return None
-        now = time.perf_counter()
-        if now < self._next_pace:
-            return None
-        self._next_pace = now + EARLY_POLL_S
-        self.table.reclaim_landed()
-        if not self.table.landing or self._peak_ref is None:
-            return None
-        limit = self._peak_ref - 2 * self.slot_bytes
-        allocated = self.acc.memory_allocated()
-        while self.table.landing and allocated > limit:
-            allocated -= self.table.reclaim_oldest()
-        return None
 
     def synchronize_for_checkpoint(self):
         """Before anything on the CPU reads host state: write back what is left on the device and
@@ -599,9 +539,8 @@ class StreamMode:
     def step_stats(self) -> Optional[Dict[str, float]]:
         """The last step that ran: bytes moved each way, sub-groups loaded early (in backward) and in
         the step, seconds the compute stream waited for loads, updating and writing back; None
-        before one. A skipped step leaves the previous step's figures. Reading the timings waits
-        for that step's write-backs to land (they would otherwise drain during the next forward):
-        call it every few steps, not every step, where that overlap matters."""
+        before one. A skipped step leaves the previous step's figures. Reading the timings reads
+        device events of a step that has ended (its write-backs landed before it returned)."""
         return None if self.last_stats is None else self.last_stats.resolve()
 
 

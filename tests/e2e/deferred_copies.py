@@ -8,8 +8,9 @@ the copies against the computation and against each other: a missing wait makes 
 host state, or a slot be refilled before its write-back read it, and the results differ from plain
 ZeRO-3. New device buffers are filled with NaN, so reading one before its load ran shows too.
 
-``drop_write_back_wait=True`` is the negative control: every load ignores the sub-group's previous
-write-back (the runtime passes ``(destination ready, previous write-back)``), which parity must catch.
+``drop_slot_wait=True`` is the negative control: every load ignores what its destination waits for
+(the runtime passes ``(destination ready, previous write-back)``; for a staging slot, the slot's last
+write-back), so a slot is refilled before its write-back read it, which parity must catch.
 The device-memory policy is the CPU accelerator's (``synchronous``: no limits derived from memory).
 """
 
@@ -36,10 +37,10 @@ class _Event:
 class DeferredCopies:
     synchronous = True  # the CPU accelerator's memory policy; the copies themselves are deferred
 
-    def __init__(self, drop_write_back_wait=False):
+    def __init__(self, drop_slot_wait=False):
         self.h2d_stream = _Stream("h2d")
         self.d2h_stream = _Stream("d2h")
-        self.drop_write_back_wait = drop_write_back_wait
+        self.drop_slot_wait = drop_slot_wait
         self.deferred = 0  # copies that were still queued when the next copy was queued behind them
 
     def _queue(self, stream, fn, waits):
@@ -58,13 +59,13 @@ class DeferredCopies:
             fn()
             stream.done += 1
 
-    def alloc(self, numel, record=True):
+    def alloc(self, numel):
         return {dt: torch.full((n, ), float("nan"), dtype=dt) for dt, n in numel.items()}, None
 
     def h2d(self, dst, src, waits):
         waits = tuple(waits)
-        if self.drop_write_back_wait:
-            waits = waits[:1]
+        if self.drop_slot_wait:
+            waits = waits[1:]
 
         def copy():
             for dt, region in src.items():
@@ -88,9 +89,6 @@ class DeferredCopies:
 
     def wait_host(self, event):
         self._complete(event)
-
-    def done(self, event):
-        return event is None or event.stream.done >= event.index
 
     def clock(self):
         return time.perf_counter()

@@ -174,7 +174,6 @@ def detach_and_check(engine):
     handle.detach()
     own = [name for obj, name in patched if name in vars(obj) and callable(getattr(obj, name))]
     return {"patched": sorted(name for _, name in patched), "still_instance_attributes": own,
-            "tput_synchronized": engine.tput_timer.config.synchronized,
             "handle_gone": deepspeed_offload.get_handle(engine) is None,
             "methods_are_class_methods": all(getattr(opt, n).__func__ is getattr(type(opt), n)
                                              for n in ("step", "_prepare_sub_group", "_release_sub_group",
@@ -212,7 +211,7 @@ def copy_executor(spec):
     from deferred_copies import DeferredCopies
     import deepspeed_offload.runtime.stream as stream_mod
     made = stream_mod.make_copies
-    stream_mod.make_copies = lambda acc=None: DeferredCopies(drop_write_back_wait=spec["copies"] == "deferred_control")
+    stream_mod.make_copies = lambda acc=None: DeferredCopies(drop_slot_wait=spec["copies"] == "deferred_control")
     try:
         yield
     finally:
@@ -256,7 +255,7 @@ def train_with(spec):
     gen = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
     step_stats = []  # the handle's step_stats() after each optimizer step
-    landing = {"after_forward": [], "after_step": []}  # written-back buffers stream mode still holds
+    held_after_step = []  # per optimizer step: offloaded sub-groups not back on the host when it returned
     result_extra = {}
     gas = spec.get("gas", 1)
     start = 0
@@ -277,9 +276,6 @@ def train_with(spec):
                     compile_ops.mode.begin_phase()
                 compile_ops.forward_head(x)
             out = engine(x, use_late=step >= 2)
-            tracked = deepspeed_offload.get_handle(engine)
-            if tracked is not None and getattr(tracked.table, "track_write_backs", False):
-                landing["after_forward"].append(len(tracked.table.landing))  # what the forward left held
             if compile_ops is not None:
                 out.register_hook(lambda grad, x=x: compile_ops.in_backward(x))
             loss = torch.nn.functional.mse_loss(out, y)
@@ -294,8 +290,8 @@ def train_with(spec):
             engine.step()
             losses.append(loss.item())
             handle = deepspeed_offload.get_handle(engine)
-            if handle is not None and getattr(handle.table, "track_write_backs", False) and micro == gas - 1:
-                landing["after_step"].append(len(handle.table.landing))  # written back, still held
+            if handle is not None and micro == gas - 1 and hasattr(handle, "table"):
+                held_after_step.append(sum(r.phase.name != "ON_HOST" for r in handle.table.of.values()))
             if handle is not None and micro == gas - 1:
                 # The stats object, resolved after training: resolving reads the copies' events,
                 # which would wait for this step's write-backs before the next forward starts.
@@ -308,7 +304,8 @@ def train_with(spec):
 
     deepspeed_offload.wait_for_checkpoint(engine)
     step_stats = [None if s is None else s.resolve() for s in step_stats]
-    result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats, "landing": landing,
+    result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats,
+              "held_after_step": held_after_step,
               "loaded_into_store": loaded_into_store, **result_extra}
     for name, p in engine.module.named_parameters():
         master = safe_get_full_fp32_param(p)
@@ -332,7 +329,6 @@ def train_with(spec):
                             "counters": getattr(handle, "counters", None),
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),
-                            "tput_synchronized": engine.tput_timer.config.synchronized,
                             "deferred_copies": getattr(handle.copies, "deferred", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}

@@ -34,9 +34,8 @@ class RecordingCopies(SyncCopies):
         self.n += 1
         return Event(f"{kind}{self.n}")
 
-    def alloc(self, numel, record=True):
+    def alloc(self, numel):
         bufs, _ = super().alloc(numel)
-        self.records = getattr(self, "records", []) + [record]
         return bufs, self._ev("alloc")
 
     def h2d(self, dst, src, waits):
@@ -304,36 +303,6 @@ def test_gpu_a_write_back_waits_for_the_update(control):
                                    "the write-back copied the state from before the update")
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("control", [False, True], ids=["no_record_stream", "control_with_record_stream"])
-def test_gpu_a_held_write_back_is_reusable_once_its_own_copy_landed(control):
-    """Stream mode's forward waits for the oldest held write-back to reuse its memory: that block
-    must be reusable once its own copy has landed, while a later write-back still runs. With
-    record_stream (the control) a block let go then waits for every copy queued by then."""
-    numel = 1 << 20
-    t = _gpu_table(numel)
-    t.track_write_backs = True
-    if control:
-        real = t.copies.alloc
-        t.copies.alloc = lambda n, record=True: real(n, record=True)
-    for i in range(2):
-        t.load(i)
-        t.arrive(i)
-        t.mark_updated(i)
-    t.write_back(0)
-    block = t.landing[0][0][torch.float32].data_ptr()
-    with torch.cuda.stream(t.copies.d2h_stream):
-        torch.cuda._sleep(SPIN)  # the next write-back is still running while 0 is let go
-    t.write_back(1)
-    t.reclaim_oldest()  # waits for sub-group 0's copy alone
-    again = torch.empty(2 * numel, dtype=torch.float32, device="cuda")
-    reused = again.data_ptr() == block
-    torch.cuda.synchronize()
-    assert reused is not control, "a block let go with record_stream was reused before the later copy ended" \
-        if control else "the held buffer's memory was not reusable once its own write-back landed"
-
-
 def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
     """A load may start before the sub-group's last write-back landed (the copy waits for it on the
     device): a CPU reader draining then must still wait for that write-back."""
@@ -348,74 +317,3 @@ def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
     assert t.in_phase(P.WRITING_BACK) == []
     t.drain()
     assert ("host", [written]) in copies.waits
-
-
-class LandingCopies(RecordingCopies):
-    """RecordingCopies whose write-backs land only when told (``land``) or waited for."""
-
-    def __init__(self):
-        super().__init__()
-        self.landed = set()
-
-    def done(self, event):
-        return event is None or event.name in self.landed
-
-    def wait_host(self, event):
-        super().wait_host(event)
-        self.landed.add(event.name)
-
-
-def test_tracked_write_backs_hold_own_buffers_until_they_land():
-    copies = LandingCopies()
-    t = make_table(copies)
-    t.track_write_backs = True
-    for i, slot in ((0, None), (1, None), (2, 0)):
-        t.load(i, slot=slot)
-        t.arrive(i)
-        t.mark_updated(i)
-    bufs0 = t[0].buffers
-    written = []
-    for i in range(3):
-        t.write_back(i)
-        written.append(t[i].written)
-    # own buffers are held, oldest first; a slot is not (the step's slots are reused, then freed)
-    assert [e for _, e, _ in t.landing] == written[:2]
-    assert t.landing[0][0] is bufs0 and t.landing_bytes() == t.store_bytes(0) + t.store_bytes(1)
-    assert t.reclaim_landed() == 0 and len(t.landing) == 2  # nothing landed: nothing let go, no wait
-    assert not any(who == "host" for who, _ in copies.waits)
-    copies.landed.add(written[0].name)
-    assert t.reclaim_landed() == t.store_bytes(0) and len(t.landing) == 1
-    assert t.reclaim_oldest() == t.store_bytes(1) and not t.landing  # waited for
-    assert ("host", [written[1]]) in copies.waits
-
-
-def test_untracked_write_backs_and_drain_hold_nothing():
-    t = make_table(LandingCopies())
-    t.load(0)
-    t.arrive(0)
-    t.mark_updated(0)
-    t.write_back(0)
-    assert not t.landing  # stream mode without overlap, compile mode: the allocator alone holds them
-    t.track_write_backs = True
-    t.load(1)
-    t.arrive(1)
-    t.mark_updated(1)
-    t.write_back(1)
-    assert len(t.landing) == 1
-    t.drain()  # every write-back waited for: nothing left to hold
-    assert not t.landing
-
-
-def test_tracked_own_buffers_skip_record_stream_and_a_release_waits_for_the_load():
-    """record_stream would keep a dropped block out of use until every copy queued by then ended;
-    tracked buffers go without it, so letting go of one unused must order it after its load."""
-    copies = LandingCopies()
-    t = make_table(copies)
-    t.load(0)  # untracked own buffers: record_stream as before
-    t.track_write_backs = True
-    t.load(1)
-    t.load(2, slot=0)  # slots: always recorded
-    assert copies.records == [True, False, True, True]  # (the slots are allocated two at once)
-    loaded = t[1].loaded
-    t.release(1)
-    assert copies.waits[-1] == ("compute", [loaded])
