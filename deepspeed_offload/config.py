@@ -532,16 +532,22 @@ def _warn_huge_sub_group(sub_group_size: int, offload: OffloadConfig):
                        f"{offload.sub_group_mb} ({offload.sub_group_size:,} elements per sub-group).")
 
 
-def host_memory_available() -> int:
-    """Bytes the host can still give (MemAvailable), the figure the pinned store is checked against."""
+def meminfo(key: str) -> Optional[int]:
+    """One /proc/meminfo figure in bytes (``MemTotal``, ``MemAvailable``); None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+def host_memory_available() -> int:
+    """Bytes the host can still give (MemAvailable), the figure the pinned store is checked against."""
+    available = meminfo("MemAvailable")
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def format_bytes(n: float) -> str:

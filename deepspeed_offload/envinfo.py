@@ -30,7 +30,7 @@ import sys
 import time
 from importlib import metadata
 
-from .config import format_bytes, host_memory_available
+from .config import format_bytes, host_memory_available, meminfo
 
 PIN_TEST_BYTES = 64 * 2**20
 # bench.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
@@ -64,11 +64,10 @@ def _limit(value):
 
 
 def _meminfo(key):
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise Unavailable(f"no {key} in /proc/meminfo")
+    value = meminfo(key)
+    if value is None:
+        raise Unavailable(f"no {key} in /proc/meminfo")
+    return value
 
 
 # ---- the probes: each returns the key's value or raises (Unavailable with the reason) ----

@@ -649,21 +649,16 @@ class AsyncCheckpointer:
         engine = self.engine
         capture = _Capture(engine.checkpoint_engine, self._snapshot)
         scripts = []
-        copy_fn = getattr(engine, "_copy_recovery_script", None)
-        own = "_copy_recovery_script" in vars(engine)
-        engine.checkpoint_engine = capture
-        if copy_fn is not None:
-            engine._copy_recovery_script = lambda save_path: scripts.append((copy_fn, save_path))
+        swap = PatchRegistry("deepspeed-offload checkpoint capture")  # for the length of this save only
+        swap.patch(engine, "checkpoint_engine", lambda inner: capture)
+        if getattr(engine, "_copy_recovery_script", None) is not None:
+            swap.patch(engine, "_copy_recovery_script",
+                       lambda copy_fn: lambda save_path: scripts.append((copy_fn, save_path)))
         try:
             self._orig_save(save_dir, tag=tag, client_state=client_state, save_latest=False,
                             exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
-            engine.checkpoint_engine = capture._inner
-            if copy_fn is not None:
-                if own:
-                    engine._copy_recovery_script = copy_fn
-                else:
-                    del engine._copy_recovery_script
+            swap.remove_all()
         tag_dir = os.path.join(save_dir, tag)
         files = []
         for path, obj in capture.files:

@@ -63,14 +63,13 @@ class IllegalTransition(RuntimeError):
 class Residency:
     """One sub-group: its phase, its device buffers and the events of its last copies."""
 
-    __slots__ = ("sub_group", "phase", "buffers", "slot", "early", "loaded", "updated", "written")
+    __slots__ = ("sub_group", "phase", "buffers", "slot", "loaded", "updated", "written")
 
     def __init__(self, sub_group: int):
         self.sub_group = sub_group
         self.phase = Phase.ON_HOST
         self.buffers = None  # dtype -> device tensor, while LOADING/ON_DEVICE/UPDATED
         self.slot: Optional[int] = None  # staging slot index, or None for buffers of its own
-        self.early = False  # loaded ahead of the step (own buffers or a prefetched slot)
         self.loaded = None  # event: its H2D is done
         self.updated = None  # event: the step's update of it is done
         self.written = None  # event: its latest write-back is done
@@ -120,7 +119,7 @@ class ResidencyTable:
 
     # ------------------------------------------------------------------ transitions
 
-    def load(self, i: int, slot: Optional[int] = None, early: bool = False) -> Tuple[int, object]:
+    def load(self, i: int, slot: Optional[int] = None) -> Tuple[int, object]:
         """H2D of sub-group ``i`` into staging slot ``slot``, or into buffers of its own (None).
         Returns (bytes, span of a synchronous copy or None)."""
         r = self.of[i]
@@ -131,7 +130,7 @@ class ResidencyTable:
             if self.slots is None:
                 self._allocate_slots()
             bufs, ready = self.slots[slot], self.slot_free[slot]
-        r.buffers, r.slot, r.early = bufs, slot, early
+        r.buffers, r.slot = bufs, slot
         r.loaded, span = self.copies.h2d(bufs, self._regions(i), waits=(ready, r.written))
         self.last_load = r.loaded
         return self.store_bytes(i), span
@@ -157,14 +156,14 @@ class ResidencyTable:
         if r.slot is not None:
             self.slot_free[r.slot] = r.written
         self.last_write = r.written
-        r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
+        r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
         return self.store_bytes(i), span
 
     def release(self, i: int):
         """Drop ``i``'s device copy unused: the host store still holds its state."""
         r = self.of[i]
         r.move(Phase.ON_HOST)
-        r.buffers, r.slot, r.early, r.loaded, r.updated = None, None, False, None, None
+        r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
 
     def release_loaded(self) -> List[int]:
         """Release every sub-group that is loading or loaded but not updated; returns them."""

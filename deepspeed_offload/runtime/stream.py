@@ -334,7 +334,7 @@ class StreamMode:
     def _load(self, i, slot, early):
         if self.stats is None:
             self.stats = StepStats(self.copies)
-        nbytes, span = self.table.load(i, slot=slot, early=early)
+        nbytes, span = self.table.load(i, slot=slot)
         self.stats.bytes_h2d += nbytes
         if early:
             self.stats.loaded_early += 1

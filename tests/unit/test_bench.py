@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench_runs import RUNS
 from deepspeed_offload import bench

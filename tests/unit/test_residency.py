@@ -103,8 +103,8 @@ def test_illegal_verbs_are_refused_by_the_table():
 def test_own_buffers_round_trip_and_what_each_copy_waits_for():
     copies = RecordingCopies()
     t = make_table(copies)
-    nbytes, _ = t.load(1, early=True)
-    assert nbytes == 2 * 4 * 4 and t[1].phase is P.LOADING and t[1].slot is None and t[1].early
+    nbytes, _ = t.load(1)
+    assert nbytes == 2 * 4 * 4 and t[1].phase is P.LOADING and t[1].slot is None
     # into buffers of its own: after the compute work queued before their allocation; no earlier write-back
     assert [repr(e) for e in copies.waits[-1][1]] == ["alloc1", "None"] and copies.waits[-1][0] == "h2d2"
     t.arrive(1)
@@ -313,7 +313,7 @@ def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
     t.mark_updated(0)
     t.write_back(0)
     written = t[0].written
-    t.load(0, early=True)  # WRITING_BACK -> LOADING: nothing in WRITING_BACK any more
+    t.load(0)  # WRITING_BACK -> LOADING: nothing in WRITING_BACK any more
     assert t.in_phase(P.WRITING_BACK) == []
     t.drain()
     assert ("host", [written]) in copies.waits
