@@ -8,16 +8,25 @@ One host store, one streamed step, one residency table (``runtime/stream.py``,
 - ``copy_stream_sync`` (end of backward): the compute stream waits for those copies (an event,
   no host wait), so the step starts on complete state.
 - ``offload_launch`` (head of the next forward): ``offload_for_forward`` writes the updated
-  sub-group back and hands its buffers to the allocator once the copy is done. (Stream mode
-  writes such a sub-group back at once, in the step; compile mode defers it to this op:
-  ``DEFER_WRITE_BACK``.)
+  sub-group back and hands its buffers to the allocator once the copy is done, unless the pass
+  keeps it on the device (``keep``). (Stream mode writes such a sub-group back at once, in the
+  step; compile mode defers it to this op: ``DEFER_WRITE_BACK``.)
 - ``empty_cache`` (head of forward): returns cached blocks once per compile phase, not per step.
 
 Stream mode's own early loads from the gradient hook are off here (the graphs place the reloads);
 ``prefetch`` of the first two sub-groups into the slots works as in stream mode without overlap.
 
-Nothing stays resident between phases: every offloaded sub-group leaves the device at the head of
-forward whatever the budget, which decides only how much comes back early in backward. With
+The budget decides what moves. Reloaded sub-groups that fit beside the iteration's floor (the
+planner's ``plan_kept``) stay on the device from step to step: the step updates them where they are,
+and neither ``offload_launch`` nor ``reload`` moves them. The others reloaded leave at the head of
+forward and come back in backward; what was not reloaded streams through the step. So a budget
+that holds everything moves only the step's first two sub-groups (``prefetch`` loads them into the
+staging slots during backward; with it off, nothing), and a budget of 0 streams everything.
+Forwards DeepCompile did not profile (evaluation, a shape dynamo recompiles for) run beside the
+kept state too. Nothing stays between
+compile phases: ``begin_phase`` writes everything back, so DeepCompile profiles the floor, and the
+pass decides again. Anything on the CPU that reads host state (a checkpoint, ``state_dict``)
+writes the kept sub-groups back first; they come back at the next backward's reloads. With
 gradient accumulation, only the boundary micro-batch reloads; offloads happen on the first
 micro-batch, the only one that finds anything to write back.
 
@@ -62,6 +71,7 @@ class CompileMode(StreamMode):
         # early are therefore the last of the order, and they are written back in the same order
         # so that the next reload of each finds its own write-back done first.
         self.priority = list(reversed(self.order))
+        self.kept = frozenset()  # reloaded sub-groups that stay on the device between steps (this phase)
         self._planner_budget = self._agreed_budget()
         self._empty_cache_armed = False
         ops.register_ops()
@@ -74,7 +84,7 @@ class CompileMode(StreamMode):
         super().detach()
 
     def _resident_budget_bytes(self) -> int:
-        return 0  # capacity-first: everything leaves the device at the head of forward
+        return 0  # capacity-first: at attach nothing is known of the graphs; the pass decides what stays
 
     def planner_budget_bytes(self) -> int:
         return self._planner_budget
@@ -106,8 +116,24 @@ class CompileMode(StreamMode):
         with unset_fake_temporarily():
             self.synchronize_for_checkpoint()
             self.table.release_loaded()
+        self.kept = frozenset()  # the pass decides again from this phase's profile
         self._empty_cache_armed = True
         self.counters["phases"] += 1
+
+    def keep(self, sub_groups, only_fewer=False):
+        """From the pass, at the phase's last backward graph: these reloaded sub-groups stay on the
+        device between steps (``planner.plan_kept``); ``only_fewer`` (a graph dynamo recompiled,
+        planned on its own profile): keep no more than before. The first two sub-groups of the step
+        are not kept while ``prefetch`` loads them into the staging slots in backward."""
+        kept = frozenset(int(i) for i in sub_groups)
+        if only_fewer:
+            kept &= self.kept
+        if self.cfg.prefetch:
+            kept -= frozenset(self.order[:2])
+        self.kept = kept
+        nbytes = sum(self.layout.nbytes[i] for i in self.kept)
+        log_dist(f"[deepspeed-offload] compile mode: {len(self.kept)} of {len(self.order)} sub-groups "
+                 f"({nbytes / 2**30:.2f} GiB) stay on the device between steps", ranks=[0])
 
     # ------------------------------------------------------------------ early loads and late write-backs
 
@@ -139,7 +165,8 @@ class CompileMode(StreamMode):
     def op_offload_launch(self, i):
         if not self.is_profiling():
             self._known(i)
-            self._count("launches", "bytes_offloaded", self.offload(i))
+            if i not in self.kept:
+                self._count("launches", "bytes_offloaded", self.offload(i))
 
     def op_reload(self, i):
         if not self.is_profiling() and self.engine.is_gradient_accumulation_boundary():

@@ -11,6 +11,11 @@ reloads together must fit beside the forward's peak and the step's own staging (
 
 What does not fit anywhere is left to the step, which streams it through its two slots exactly as
 stream mode does: a budget of 0 reloads nothing and the step streams everything.
+
+Reloaded sub-groups that fit beside the whole iteration's floor stay on the device from one step
+to the next (``plan_kept``): they are on the device when backward starts, so they must fit beside
+backward's peak as well as the forward's, and they are the first reloads in order, so that every
+later reload is placed as the plan saw it.
 """
 
 from typing import Dict, List, Sequence, Tuple
@@ -23,6 +28,20 @@ def suffix_peaks(records: Sequence[Tuple[str, int]]) -> Dict[str, int]:
         running = max(running, peak)
         out[name] = running
     return out
+
+
+def plan_kept(placed: Sequence[Tuple[int, int]], budget: int, floor: int) -> List[int]:
+    """``placed``: the reloads placed ((sub-group, bytes), in placement order); ``floor``: the peak
+    of the iteration without them (the larger of backward's peak and the forward's peak plus the
+    step's staging). The longest prefix of ``placed`` that fits in ``budget`` beside ``floor``: the
+    sub-groups that may stay on the device between steps."""
+    kept, held = [], 0
+    for sub_group, nbytes in placed:
+        if floor + held + nbytes > budget:
+            break
+        kept.append(sub_group)
+        held += nbytes
+    return kept
 
 
 def plan_reloads(records: Sequence[Tuple[str, int]], tasks: Sequence[Tuple[int, int]], budget: int, reserve: int,

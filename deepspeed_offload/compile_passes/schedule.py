@@ -12,7 +12,9 @@ order backward runs them:
   go at its head;
 - each backward graph: ``reload`` nodes where ``planner.plan_reloads`` finds room, carrying what
   earlier backward graphs reloaded;
-- last backward graph: ``copy_stream_sync`` before its output.
+- last backward graph: ``copy_stream_sync`` before its output, and the reloaded sub-groups that
+  fit beside the iteration's floor are kept on the device between steps (``CompileMode.keep``):
+  ``offload_launch`` passes them over, and their ``reload`` finds them there.
 """
 
 from typing import List, Tuple
@@ -25,7 +27,7 @@ from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContrac
 from deepspeed.utils import logger
 
 from . import ops
-from .planner import plan_reloads
+from .planner import plan_kept, plan_reloads
 
 NAME = "deepspeed_offload_opt_states"
 Z3 = zero3_compile.NAME
@@ -75,6 +77,8 @@ class OffloadPass:
         self.mode = mode
         self.held = 0  # bytes reloaded so far by this step's earlier backward graphs
         self.pending = []  # reload tasks the backward graphs have not placed yet
+        self.placed = []  # (sub-group, bytes) placed so far, in order
+        self.floor = 0  # the iteration's peak without the reloads, over the graphs seen so far
 
     def __call__(self, gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager,
                  bwd):
@@ -92,13 +96,15 @@ class OffloadPass:
             with_bwd = [g for g, needs in graph_order if needs]
             unlisted = graph_id not in with_bwd
             if unlisted or graph_id == with_bwd[-1]:  # the first backward graph to run
-                self.held = 0
+                self.held, self.placed, self.floor = 0, [], 0
                 self.pending = [(i, self.mode.sub_group_bytes(i)) for i in self.mode.priority]
             self._insert_reloads(graph, profiling_results, graph_id)
             if unlisted or graph_id == with_bwd[0]:  # the last one
                 out = next(n for n in graph.nodes if n.op == "output")
                 with graph.inserting_before(out):
                     graph.call_function(ops.op("copy_stream_sync"), (_anchor(graph), ))
+                self.mode.keep(plan_kept(self.placed, self.mode.planner_budget_bytes(), self.floor),
+                               only_fewer=unlisted)
                 if self.pending:
                     logger.info(f"[deepspeed-offload] {len(self.pending)} sub-groups stream through the step")
         return gm  # DeepCompile lints and recompiles what a pass returns
@@ -112,23 +118,29 @@ class OffloadPass:
             graph.call_function(ops.op("empty_cache"), (anchor, ))
 
     def _insert_reloads(self, graph, profiling_results, graph_id):
-        if not self.pending:
-            return
-        profile = profiling_results[graph_id]
-        if not getattr(profile, "bwd_mem_complete", True) or not all(
+        profile = profiling_results.get(graph_id)
+        if profile is None or not getattr(profile, "bwd_mem_complete", True) or not all(
                 getattr(r, "fwd_mem_complete", True) for r in profiling_results.values()):
-            logger.warning(f"[deepspeed-offload] DeepCompile's memory profile is incomplete at backward graph "
-                           f"{graph_id}: nothing reloaded there, the step streams it")
+            self.floor = float("inf")  # a graph whose peak is unknown: nothing may stay on the device across it
+            if self.pending:
+                logger.warning(f"[deepspeed-offload] DeepCompile's memory profile is incomplete at backward graph "
+                               f"{graph_id}: nothing reloaded there, the step streams it")
             return
         names = {node.name for node in graph.nodes if node.op not in ("placeholder", "output")}
-        records = [(n, p) for n, p in _records(profile.bwd_mem) if n in names]
+        records = [(n, p) for n, p in _records(getattr(profile, "bwd_mem", None)) if n in names]
         if not records:
-            logger.warning(f"[deepspeed-offload] no memory profile for backward graph {graph_id}: "
-                           "nothing reloaded there")
+            self.floor = float("inf")
+            if self.pending:
+                logger.warning(f"[deepspeed-offload] no memory profile for backward graph {graph_id}: "
+                               "nothing reloaded there")
             return
         fwd_peak = max((p for r in profiling_results.values() for _, p in _records(getattr(r, "fwd_mem", None))),
                        default=0)
         reserve = fwd_peak + 2 * self.mode.slot_bytes
+        # What the kept sub-groups sit beside: every backward graph's peak, the forward's, the step's slots.
+        self.floor = max(self.floor, reserve, max(p for _, p in records))
+        if not self.pending:
+            return
         placements, self.pending = plan_reloads(records, self.pending, self.mode.planner_budget_bytes(), reserve,
                                                 self.held)
         fallback = _anchor(graph)
@@ -142,6 +154,7 @@ class OffloadPass:
                 with graph.inserting_after(at):
                     at = graph.call_function(ops.op("reload"), (anchor, int(i)))
                 self.held += self.mode.sub_group_bytes(i)
+                self.placed.append((i, self.mode.sub_group_bytes(i)))
 
 
 def _evicting_first(launch, mode):

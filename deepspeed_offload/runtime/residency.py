@@ -8,6 +8,7 @@ Every offloaded ZeRO-3 sub-group has one ``Residency``::
        ▲                                                                                     │
        └──────────────────────────────── landed (a CPU reader waited for it) ◀───────────────┘
                          WRITING_BACK ──load──▶ LOADING  (the load waits for that write-back)
+                         UPDATED ──arrive──▶ ON_DEVICE   (kept on the device: updated again there)
 
 ``Residency.move`` is the one place a phase changes, and it refuses anything not drawn above.
 The ``ResidencyTable`` holds them all, the two staging slots and the copy executor, and its verbs
@@ -50,6 +51,7 @@ LEGAL = frozenset({
     (P.LOADING, P.ON_DEVICE),
     (P.ON_DEVICE, P.UPDATED),
     (P.UPDATED, P.WRITING_BACK),
+    (P.UPDATED, P.ON_DEVICE),  # compile mode kept it on the device since its last update
     (P.WRITING_BACK, P.ON_HOST),
     (P.LOADING, P.ON_HOST),  # released unused (a skipped step, a writer of host state)
     (P.ON_DEVICE, P.ON_HOST),  # released by a step that raised before updating it
@@ -63,13 +65,14 @@ class IllegalTransition(RuntimeError):
 class Residency:
     """One sub-group: its phase, its device buffers and the events of its last copies."""
 
-    __slots__ = ("sub_group", "phase", "buffers", "slot", "loaded", "updated", "written")
+    __slots__ = ("sub_group", "phase", "buffers", "slot", "host_stale", "loaded", "updated", "written")
 
     def __init__(self, sub_group: int):
         self.sub_group = sub_group
         self.phase = Phase.ON_HOST
         self.buffers = None  # dtype -> device tensor, while LOADING/ON_DEVICE/UPDATED
         self.slot: Optional[int] = None  # staging slot index, or None for buffers of its own
+        self.host_stale = False  # its device buffers hold a newer state than the host store
         self.loaded = None  # event: its H2D is done
         self.updated = None  # event: the step's update of it is done
         self.written = None  # event: its latest write-back is done
@@ -136,7 +139,9 @@ class ResidencyTable:
         return self.store_bytes(i), span
 
     def arrive(self, i: int):
-        """The compute stream waits for ``i``'s load; the step may now read and update it."""
+        """The compute stream waits for ``i``'s load; the step may now read and update it. A
+        sub-group still UPDATED in buffers of its own (kept there since the last step) is the
+        newest copy already: the step updates it again where it is."""
         r = self.of[i]
         r.move(Phase.ON_DEVICE)
         self.copies.compute_waits(r.loaded)
@@ -144,6 +149,7 @@ class ResidencyTable:
     def mark_updated(self, i: int):
         r = self.of[i]
         r.move(Phase.UPDATED)
+        r.host_stale = True
         r.updated = self.copies.mark()
 
     def write_back(self, i: int) -> Tuple[int, object]:
@@ -153,6 +159,7 @@ class ResidencyTable:
         r = self.of[i]
         r.move(Phase.WRITING_BACK)
         r.written, span = self.copies.d2h(self._regions(i), r.buffers, waits=(r.updated, ))
+        r.host_stale = False  # the host store is the newest copy once this lands
         if r.slot is not None:
             self.slot_free[r.slot] = r.written
         self.last_write = r.written
@@ -162,12 +169,15 @@ class ResidencyTable:
     def release(self, i: int):
         """Drop ``i``'s device copy unused: the host store still holds its state."""
         r = self.of[i]
+        if r.host_stale:
+            raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be released: its device copy is newer "
+                                    "than the host store (write it back)")
         r.move(Phase.ON_HOST)
         r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
 
     def release_loaded(self) -> List[int]:
         """Release every sub-group that is loading or loaded but not updated; returns them."""
-        out = self.in_phase(Phase.LOADING, Phase.ON_DEVICE)
+        out = [i for i in self.in_phase(Phase.LOADING, Phase.ON_DEVICE) if not self.of[i].host_stale]
         for i in out:
             self.release(i)
         return out

@@ -349,7 +349,8 @@ class StreamMode:
         return [i for i in self.order if not (self.table[i].on_device and self.table[i].slot is None)]
 
     def _begin_step(self):
-        self.offload_for_forward()  # no forward ran since the last step: those buffers are the newest copy
+        # (A sub-group still UPDATED in buffers of its own, compile mode's kept ones, or any whose
+        # offload_launch did not run, is updated again where it is: ``ResidencyTable.arrive``.)
         self._sample_peak()  # backward's
         self._in_step = True
         if self.stats is None:
@@ -388,8 +389,9 @@ class StreamMode:
             self._load_into_slot(self._position[i] + 1)  # into the other slot, after its last write-back
 
     def _updated(self, i):
-        """After DeepSpeed released sub-group ``i``: written back (or, deferred, kept for the next
-        forward's head), its tensors pointed at the host store."""
+        """After DeepSpeed released sub-group ``i``: written back and its tensors pointed at the host
+        store, or (compile mode, buffers of its own) left UPDATED on the device, its tensors on them,
+        for the next forward's head or the next step."""
         for key in self.store.slices[i]:
             t = self._tensor(i, key)
             if t is None:
@@ -451,6 +453,9 @@ class StreamMode:
         next step (or a checkpoint) starts from a consistent place."""
         if not self._in_step:
             return
+        for i in self.table.in_phase(Phase.ON_DEVICE):
+            if self.table[i].host_stale:  # kept on the device (compile mode): still its newest copy
+                self.table.mark_updated(i)  # so that it is written back with the rest
         self.synchronize_for_checkpoint()
         self.table.release_loaded()
         for i in self.order:

@@ -27,6 +27,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import deepspeed_offload
+from deepspeed_offload.runtime.host_store import MASTER
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -91,14 +92,20 @@ def optimizer_for(spec, groups):
     raise ValueError(kind)
 
 
-def abort_step(engine):
-    """Make the update of the second sub-group raise, and report what the step left behind."""
+def abort_step(engine, fail_at=None):
+    """Make the update of the second sub-group raise (or of sub-group ``fail_at``: "first_kept", the
+    first that compile mode keeps on the device), and report what the step left behind: whether every
+    kept sub-group's newest state (its device copy before the step) reached the host store."""
     base = engine.optimizer.optimizer
     real_step, calls = base.step, []
+    handle = deepspeed_offload.get_handle(engine)
+    kept = sorted(getattr(handle, "kept", ()))
+    fail_call = 2 if fail_at is None else kept[0] + 1  # the step updates sub-groups 0, 1, ... in order
+    before = {i: handle.table.view(i, MASTER).clone() for i in kept if handle.table[i].on_device}
 
     def failing_step(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == fail_call:
             raise RuntimeError("injected failure")
         return real_step(*args, **kwargs)
 
@@ -110,16 +117,20 @@ def abort_step(engine):
         raised = str(e)
     finally:
         base.step = real_step
-    handle = deepspeed_offload.get_handle(engine)
-    return {"raised": raised, "host_resident": handle.host_resident(), "in_step": handle._in_step,
-            "slots": handle.table.slots is not None}
+    out = {"raised": raised, "host_resident": handle.host_resident(), "in_step": handle._in_step,
+           "slots": handle.table.slots is not None}
+    if fail_at is not None:
+        out["kept_on_device"] = sorted(before)
+        out["kept_reached_host"] = all(torch.equal(handle.store.view(i, MASTER), t) for i, t in before.items())
+    return out
 
 
 class CompileOps:
     """Compile mode's runtime without DeepCompile (which needs CUDA): the ops, called through
     ``torch.ops.ds_offload`` where the compiled graphs would call them: offloads and one empty_cache
     at the head of forward, reloads in backward (a hook on the model's output), the copy-stream
-    sync at its end. ``reload`` picks how many sub-groups come back early (the planner's job on a GPU)."""
+    sync at its end. ``reload`` picks how many sub-groups come back early and ``keep`` how many of
+    those stay on the device between steps (the planner's job on a GPU, once per compile phase)."""
 
     def __init__(self, engine, spec):
         from deepspeed_offload.compile_passes.mode import CompileMode
@@ -128,7 +139,12 @@ class CompileOps:
         setattr(engine, "_deepspeed_offload", self.mode)
         k = len(self.mode.priority) if spec["reload"] == "all" else spec["reload"]
         self.reloads = self.mode.priority[:k]
+        self.kept = self.reloads[:spec.get("keep", 0)]
+        self.new_phase()
+
+    def new_phase(self):
         self.mode.begin_phase()
+        self.mode.keep(self.kept)
 
     def call(self, name, anchor, sub_group=None):
         fn = getattr(torch.ops.ds_offload, name)
@@ -273,7 +289,7 @@ def train_with(spec):
                 continue  # resumed: the data of the steps already taken is drawn and dropped
             if compile_ops is not None:
                 if step == spec["compile_ops"].get("recompile_at") and micro == 0:
-                    compile_ops.mode.begin_phase()
+                    compile_ops.new_phase()
                 compile_ops.forward_head(x)
             out = engine(x, use_late=step >= 2)
             if compile_ops is not None:
@@ -285,7 +301,7 @@ def train_with(spec):
             if compile_ops is not None:
                 compile_ops.backward_end(x)
             if step == spec.get("abort_at") and micro == gas - 1:
-                result_extra["abort"] = abort_step(engine)
+                result_extra["abort"] = abort_step(engine, spec.get("abort_fail_at"))
                 continue
             engine.step()
             losses.append(loss.item())
@@ -329,6 +345,7 @@ def train_with(spec):
                             "counters": getattr(handle, "counters", None),
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),
+                            "kept": sorted(getattr(handle, "kept", ())),
                             "deferred_copies": getattr(handle.copies, "deferred", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}

@@ -213,22 +213,40 @@ def test_parity_gpu_two_ranks(tmp_path, case):
 
 
 COMPILE_OPS_CASES = {
-    # every sub-group that prefetch does not already hold comes back in backward; step 2 is skipped
-    # (an infinite loss: non-finite gradient norm), so what it reloaded must be given back unused;
-    # a recompile (a new compile phase) at step 4 re-arms the one empty_cache
+    # every sub-group that prefetch does not already hold comes back in backward, the first three
+    # of them to stay on the device between steps; step 2 is skipped (an infinite loss: non-finite
+    # gradient norm), so what it reloaded must be given back unused and what it kept stays; a
+    # recompile (a new compile phase) at step 4 writes everything back and keeps the three again
     "reload_all_one_param_per_sub_group": dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5,
-                                               overflow_step=2, compile_ops={"reload": "all", "recompile_at": 4}),
+                                               overflow_step=2,
+                                               compile_ops={"reload": "all", "keep": 3, "recompile_at": 4}),
     # one sub-group early, the rest streamed by the step; reloads only on the boundary micro-batch
     "reload_some_gas2": dict(dtype="bf16", sub_group_size=600, frozen=True, gas=2, compile_ops={"reload": 1}),
 }
 
 
+@needs_two_ranks
+def test_a_step_that_raises_writes_compile_modes_kept_state_back(tmp_path):
+    """The update of a sub-group that compile mode keeps on the device raises: its device copy (the
+    newest since the phase began) must reach the host store, not be dropped for the host's old one."""
+    spec = dict(COMPILE_OPS_CASES["reload_all_one_param_per_sub_group"], steps=5, api="deepspeed", abort_at=3,
+                abort_fail_at="first_kept")
+    spec.pop("overflow_step")
+    spec["compile_ops"] = {"reload": "all", "keep": 3}
+    out = launch(spec, tmp_path, "abort_kept")
+    abort = out["abort"]
+    assert abort["raised"] == "injected failure" and len(abort["kept_on_device"]) == 3, abort
+    assert abort["kept_reached_host"] and abort["host_resident"] and not abort["in_step"], abort
+    assert len(out["losses"]) == 4  # the steps after it ran
+
+
 @pytest.mark.parametrize("name", list(COMPILE_OPS_CASES))
 @needs_two_ranks
 def test_compile_mode_runtime_parity(tmp_path, name):
-    """Compile mode's runtime (reload into own buffers, update there, write back at the next forward's
-    head), driven through torch.ops.ds_offload where the compiled graphs would call it, is plain
-    ZeRO-3 bit for bit. DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
+    """Compile mode's runtime (reload into own buffers, update there, keep there or write back at the
+    next forward's head), driven through torch.ops.ds_offload where the compiled graphs would call
+    it, is plain ZeRO-3 bit for bit, and kept sub-groups do not move between the steps of a phase.
+    DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
     spec = dict(COMPILE_OPS_CASES[name], steps=6, api="deepspeed")
     plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
     out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}, {"copies": "deferred"}]), tmp_path,
@@ -239,21 +257,32 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     assert_bitwise_equal(plain, deferred)
     assert deferred["handle"]["deferred_copies"] > 0
     handle = ours["handle"]
-    order, counters = handle["order"], handle["counters"]
+    order, counters, nbytes = handle["order"], handle["counters"], dict(zip(handle["order"], handle["nbytes"]))
     k = len(order) if spec["compile_ops"]["reload"] == "all" else spec["compile_ops"]["reload"]
-    per_step = len([i for i in list(reversed(order))[:k] if i not in order[:2]])  # prefetch holds order[:2]
-    assert per_step > 0
+    reloaded = [i for i in list(reversed(order))[:k] if i not in order[:2]]  # prefetch holds order[:2]
+    kept = handle["kept"]
+    assert reloaded and len(kept) == spec["compile_ops"].get("keep", 0) and set(kept) <= set(reloaded)
+    leaving = [i for i in reloaded if i not in kept]  # written back at each forward's head
     recompile_at, skipped = spec["compile_ops"].get("recompile_at"), spec.get("overflow_step")
     if skipped is not None:
         assert plain["losses"][skipped] == float("inf")
-    assert counters["reloads"] == 6 * per_step  # a skipped step's reloads were given back, not kept
-    # Written back by the op at the next forward's head, except after a skipped step (nothing was
-    # updated), before a recompile (the new phase evicts everything before it is profiled) and after
-    # the last step (the final read drains).
+    # Kept sub-groups are reloaded only in the first step of a phase (begin_phase wrote them back);
+    # a skipped step's reloads were given back, and reloaded again by the next step.
+    phase_starts = {0} | ({recompile_at} if recompile_at else set())
+    assert counters["reloads"] == 6 * len(leaving) + len(phase_starts) * len(kept)
+    assert counters["bytes_reloaded"] == 6 * sum(nbytes[i] for i in leaving) + \
+        len(phase_starts) * sum(nbytes[i] for i in kept)
+    # Written back by the op at the next forward's head, except the kept ones, after a skipped step
+    # (nothing was updated), before a recompile (the new phase evicts everything before it is
+    # profiled) and after the last step (the final read drains).
     heads = [s for s in range(1, 6) if s - 1 != skipped and s != recompile_at]
-    assert counters["launches"] == len(heads) * per_step
-    assert counters["bytes_reloaded"] * len(heads) == counters["bytes_offloaded"] * 6
+    assert counters["launches"] == len(heads) * len(leaving)
+    assert counters["bytes_offloaded"] == len(heads) * sum(nbytes[i] for i in leaving)
     assert counters["empty_cache"] == counters["phases"] == (2 if recompile_at else 1)
     assert counters["syncs"] == 6 * spec.get("gas", 1)
-    # every step loaded each sub-group once and wrote it back once, counting the late write-backs
-    assert handle["stats"]["bytes_h2d"] == handle["stats"]["bytes_d2h"] > 0
+    # Every step loads what is not on the device already, once, and the first step of a phase
+    # everything; the last step's write-backs include the kept ones (the final read drains).
+    h2d = [s["bytes_h2d"] for s in ours["step_stats"]]
+    total, kept_bytes = sum(nbytes.values()), sum(nbytes[i] for i in kept)
+    assert max(h2d) == total and min(h2d) == total - kept_bytes
+    assert handle["stats"]["bytes_h2d"] == total - kept_bytes and handle["stats"]["bytes_d2h"] == total

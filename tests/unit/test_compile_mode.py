@@ -12,7 +12,7 @@ from deepspeed.compile.passes import offload_adam_states, zero3_compile
 from torch._higher_order_ops.effects import _EffectType, _get_effect
 
 from deepspeed_offload.compile_passes import ops, schedule
-from deepspeed_offload.compile_passes.planner import plan_reloads, suffix_peaks
+from deepspeed_offload.compile_passes.planner import plan_kept, plan_reloads, suffix_peaks
 from deepspeed_offload.runtime.patches import PatchRegistry
 
 NAMES = ["offload_launch", "reload", "empty_cache", "copy_stream_sync"]
@@ -146,6 +146,15 @@ def test_budget_forces_all_some_none():
     assert plan_reloads(BWD, TASKS, budget=0, reserve=0) == ([], TASKS)
 
 
+def test_kept_are_the_first_placed_that_fit_beside_the_floor():
+    placed = [(7, 10), (6, 10), (5, 30), (4, 1)]
+    assert plan_kept(placed, budget=151, floor=100) == [7, 6, 5, 4]
+    assert plan_kept(placed, budget=150, floor=100) == [7, 6, 5]
+    assert plan_kept(placed, budget=125, floor=100) == [7, 6]  # 4 would fit, but not before 5
+    assert plan_kept(placed, budget=100, floor=100) == []
+    assert plan_kept([], budget=100, floor=0) == []
+
+
 def test_earlier_backward_graphs_count():
     placed, left = plan_reloads(BWD, TASKS, budget=85, reserve=50, already=20)
     assert placed == [("b3", [7])] and len(left) == 3
@@ -187,6 +196,10 @@ class FakeMode:
         self.slot_bytes = 0
         self.budget = budget
         self.phases = 0
+        self.kept = None  # what the pass decided to keep on the device between steps
+
+    def keep(self, sub_groups, only_fewer=False):
+        self.kept = [i for i in sub_groups if not only_fewer or i in self.kept]
 
     def sub_group_bytes(self, i):
         return 10
@@ -240,6 +253,21 @@ def test_pass_places_ops_in_forward_and_backward():
     assert _targets(bwd) == ["b0", "b1", "b2", ("reload", 3), ("reload", 2), "b3", ("reload", 1), "b4",
                              ("copy_stream_sync", None)]
     assert the_pass.pending == [(0, 10)]  # left to the streamed step
+    assert mode.kept == []  # backward's peak (100) alone is over the budget: each reload leaves again
+
+
+def test_pass_keeps_the_reloads_that_fit_beside_backwards_peak():
+    mode = FakeMode(budget=125)
+    the_pass = schedule.OffloadPass(mode)
+    order = [(1, True)]
+    the_pass(_graph(["f0"]), 1, order, _profiles(50, BWD), None, 0.0, None, False)
+    bwd = the_pass(_graph([n for n, _ in BWD]), 1, order, _profiles(50, BWD), None, 0.0, None, True)
+    assert _targets(bwd) == ["b0", ("reload", 3), ("reload", 2), "b1", ("reload", 1), "b2", ("reload", 0), "b3",
+                             "b4", ("copy_stream_sync", None)]
+    assert mode.kept == [3, 2]  # 125 - backward's peak 100: room for two of them all along
+    the_pass(_graph(["f0"]), 1, order, _profiles(50, BWD), None, 0.0, None, False)  # a new phase
+    the_pass(_graph([n for n, _ in BWD]), 1, order, _profiles(50, BWD[1:]), None, 0.0, None, True)
+    assert mode.kept == [3, 2, 1]  # its profile peaks at 90: decided again
 
 
 def test_pass_with_a_graph_break_carries_what_backward_reloaded():
@@ -323,6 +351,21 @@ def test_an_incomplete_profile_reloads_nothing():
     bwd = the_pass(_graph([n for n, _ in BWD]), 1, [(1, True)], profiles, None, 0.0, None, True)
     assert not [t for t in _targets(bwd) if isinstance(t, tuple) and t[0] == "reload"]
     assert len(the_pass.pending) == 4 and _targets(bwd)[-1] == ("copy_stream_sync", None)
+    assert mode.kept == []
+
+
+def test_a_graph_without_a_profile_keeps_nothing_across_it():
+    """Two backward graphs; the one that runs last has no profile: the first one's reloads may not
+    stay on the device through it."""
+    mode = FakeMode(budget=10**9)
+    the_pass = schedule.OffloadPass(mode)
+    order = [(1, True), (2, True)]
+    profiles = {1: types.SimpleNamespace(fwd_mem=[("f0", 0, 0, 50)], bwd_mem=[]),
+                2: types.SimpleNamespace(fwd_mem=[("g0", 0, 0, 40)], bwd_mem=[(n, 0, 0, p) for n, p in BWD])}
+    the_pass(_graph(["f0"]), 1, order, profiles, None, 0.0, None, False)
+    the_pass(_graph([n for n, _ in BWD]), 2, order, profiles, None, 0.0, None, True)
+    the_pass(_graph(["c0"]), 1, order, profiles, None, 0.0, None, True)
+    assert [i for i, _ in the_pass.placed] == [3, 2, 1, 0] and mode.kept == []
 
 
 def test_pass_on_real_aot_graphs_compiled_by_inductor(recorder):

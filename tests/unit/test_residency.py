@@ -100,6 +100,25 @@ def test_illegal_verbs_are_refused_by_the_table():
         t.release(0)  # updated state cannot be dropped: it must be written back
 
 
+def test_a_kept_sub_group_is_updated_again_and_never_dropped():
+    """Compile mode keeps an updated sub-group on the device: the next step brings it in from
+    UPDATED, and until it is written back its device copy is the only newest one."""
+    t = make_table()
+    t.load(0)
+    t.arrive(0)
+    t.view(0, MASTER).fill_(5.0)
+    t.mark_updated(0)
+    t.arrive(0)  # the next step: UPDATED -> ON_DEVICE, no load
+    assert t[0].phase is P.ON_DEVICE and t[0].host_stale
+    assert t.release_loaded() == [] and t[0].phase is P.ON_DEVICE  # a failed step must not drop it
+    with pytest.raises(IllegalTransition, match="newer than the host store"):
+        t.release(0)
+    t.mark_updated(0)
+    t.write_back(0)
+    t.drain()
+    assert not t[0].host_stale and t.store.view(0, MASTER).tolist() == [5.0] * 4
+
+
 def test_own_buffers_round_trip_and_what_each_copy_waits_for():
     copies = RecordingCopies()
     t = make_table(copies)
