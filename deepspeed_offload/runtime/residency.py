@@ -176,8 +176,9 @@ class ResidencyTable:
         r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
 
     def release_loaded(self) -> List[int]:
-        """Release every sub-group that is loading or loaded but not updated; returns them."""
-        out = [i for i in self.in_phase(Phase.LOADING, Phase.ON_DEVICE) if not self.of[i].host_stale]
+        """Release every sub-group that is loading or loaded but not updated; returns them. (One
+        brought in from UPDATED is refused by ``release``: a step that raised marks it updated first.)"""
+        out = self.in_phase(Phase.LOADING, Phase.ON_DEVICE)
         for i in out:
             self.release(i)
         return out

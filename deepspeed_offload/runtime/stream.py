@@ -544,8 +544,9 @@ class StreamMode:
     def step_stats(self) -> Optional[Dict[str, float]]:
         """The last step that ran: bytes moved each way, sub-groups loaded early (in backward) and in
         the step, seconds the compute stream waited for loads, updating and writing back; None
-        before one. A skipped step leaves the previous step's figures. Reading the timings reads
-        device events of a step that has ended (its write-backs landed before it returned)."""
+        before one. A skipped step leaves the previous step's figures. Reading the timings waits
+        for that step's copies (in stream mode they landed before the step returned; compile mode
+        defers some write-backs to the next forward)."""
         return None if self.last_stats is None else self.last_stats.resolve()
 
 
