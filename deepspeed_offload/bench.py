@@ -48,12 +48,12 @@ import io
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 
 import torch
 
@@ -323,6 +323,13 @@ def spread(values):
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def free_port():
+    """A TCP port on the loopback that nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def worker(mode, args):
     """One mode, in this process (one rank of it with --ranks N). Returns the result dict on rank 0,
     None on the other ranks."""
@@ -335,7 +342,9 @@ def worker(mode, args):
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29600 + zlib.crc32(mode.encode()) % 300))
+    # a port free now, not one derived from the mode: two benches side by side (one per GPU) run the
+    # same modes at once, and a fixed port made the second one's rendezvous fail (EADDRINUSE)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     from deepspeed.accelerator import get_accelerator
     acc = get_accelerator()
     acc.set_device(int(os.environ["LOCAL_RANK"]))  # before zero.Init and the inputs: one device per rank

@@ -289,16 +289,25 @@ def no_shm_left_behind():
         path.unlink(missing_ok=True)
 
 
-def run_worker(tmp_path, launcher, mode, *extra):
+def start_worker(tmp_path, launcher, mode, *extra):
+    """A worker process as the bench driver starts it; ``finish_worker`` waits for its result."""
     out = tmp_path / f"{mode}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions")))
     cmd = launcher + ["-m", "deepspeed_offload.bench", "--worker", mode, "--result-file", str(out), *TINY_LLAMA,
                       "--warmup", "1", "--iters", "2", "--sub-group-mb", "1", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=400)
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-6000:]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def finish_worker(proc, out):
+    stdout, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0 and out.exists(), stdout[-6000:]
     return json.loads(out.read_text())
+
+
+def run_worker(tmp_path, launcher, mode, *extra):
+    return finish_worker(*start_worker(tmp_path, launcher, mode, *extra))
 
 
 def check_worker_result(r, ranks):
@@ -316,10 +325,17 @@ def check_worker_result(r, ranks):
 
 
 def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind):
-    """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap."""
-    r = run_worker(tmp_path, [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"))
-    check_worker_result(r, 1)
-    assert r["timeline"] is None  # the allocator trace is CUDA's
+    """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap. Two at
+    once, the same mode, as two benches side by side (one per GPU) run them: each rank-0 rendezvous
+    needs a port of its own (one derived from the mode's name made the second fail, EADDRINUSE)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = start_worker(tmp_path / "a", [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"))
+    second = start_worker(tmp_path / "b", [sys.executable], "stream_overlap")
+    results = finish_worker(*first), finish_worker(*second)
+    for r in results:
+        check_worker_result(r, 1)
+    assert results[0]["timeline"] is None  # asked for, but the allocator trace is CUDA's
 
 
 @pytest.mark.e2e
