@@ -956,10 +956,14 @@ def plot_sweep(summary, path):
 
     ax.errorbar([peak(m) for m in order], [res[m]["iter_s"] for m in order], yerr=_spread_err(res, order, "iter_s"),
                 marker="o", capsize=3, label="deepspeed-offload compile mode, by memory_budget_gb")
+    labels = {}  # budgets that land on (nearly) one point, all fitting or none, share one label
     for m in order:
         b = compile_budget(m, args)
-        ax.annotate("default" if b is None else f"{b:g} GiB", (peak(m), res[m]["iter_s"]), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
+        near = (round(peak(m), 1), round(res[m]["iter_s"], 2))
+        xy, names = labels.setdefault(near, ((peak(m), res[m]["iter_s"]), []))
+        names.append("default" if b is None else f"{b:g} GiB")
+    for xy, names in labels.values():
+        ax.annotate(", ".join(names), xy, textcoords="offset points", xytext=(6, 4), fontsize=8)
     for m, marker in (("dc_offload_opt_states", "s"), ("dc_offload_opt_states_full", "D"), ("compiled", "*")):
         if m in res:
             ax.errorbar([peak(m)], [res[m]["iter_s"]], yerr=_spread_err(res, [m], "iter_s"), marker=marker,
