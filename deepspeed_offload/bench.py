@@ -43,8 +43,6 @@ are rebuilt from the trace (``timeline_from_trace``).
 """
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -569,21 +567,12 @@ def rss_bytes():
 def host_memory(per_rank, nparams, world):
     """Host memory per node, measured (every rank's host store and RSS; one node) against what
     ``deepspeed-offload estimate`` gives for everything offloaded."""
+    from .cli import estimate
     stores = [r.get("host_store_bytes") for r in per_rank]
     return {"ranks_per_node": world,
             "store_bytes_per_node": sum(stores) if all(s is not None for s in stores) else None,
             "rss_bytes_per_node": sum(r["rss_bytes"] for r in per_rank),
-            "estimate_pinned_per_node": estimate(nparams, world)["host_pinned_per_node"]}
-
-
-def estimate(nparams, world):
-    """``deepspeed-offload estimate --json`` for this model on ``world`` ranks of one node, budget 0."""
-    from .cli import main as cli_main
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-        cli_main(["estimate", "--params", str(nparams), "--world-size", str(world), "--ranks-per-node", str(world),
-                  "--bandwidth", "1", "--json"])
-    return json.loads(buf.getvalue())
+            "estimate_pinned_per_node": estimate(nparams, world, world, bandwidth=1)["host_pinned_per_node"]}
 
 
 def checkpoint_times(engine, handle, loss_of, args, acc):

@@ -73,6 +73,28 @@ def cmd_check(ns) -> int:
     return 0
 
 
+def estimate(params, world_size, ranks_per_node, bandwidth, host_bandwidth=HOST_BANDWIDTH_GBPS, sub_group_mb=256,
+             budget_gb=0.0) -> dict:
+    """What offload frees and costs per rank and per node (bytes, GB/s, seconds): ``params`` over
+    ``world_size`` ranks, ``ranks_per_node`` of them sharing a host whose memory gives
+    ``host_bandwidth`` GB/s each way in all, each rank's link ``bandwidth`` GB/s each way; the part of
+    the state under ``budget_gb`` stays resident (None: derived at attach, taken as 0 here)."""
+    per_rank = state_bytes_per_rank(params, world_size)
+    resident = 0 if budget_gb is None else min(per_rank, int(budget_gb * 2**30))
+    offloaded = per_rank - resident
+    slot = min(offloaded, sub_group_mb * 2**20)
+    # Every rank of the node copies at once: each gets its own link's bandwidth until their sum
+    # reaches what the host's memory gives all of them together.
+    per_rank_bw = min(bandwidth, host_bandwidth / ranks_per_node)
+    # Loads and write-backs overlap, both directions at once; the first load and the last
+    # write-back of the step have nothing to overlap with.
+    step = offloaded / (per_rank_bw * 1e9) + slot / (per_rank_bw * 1e9)
+    return {"state_per_rank": per_rank, "resident_per_rank": resident, "gpu_freed_per_rank": offloaded,
+            "staging_during_step": 2 * slot, "host_pinned_per_node": offloaded * ranks_per_node,
+            "bandwidth_GBps": bandwidth, "host_bandwidth_GBps": host_bandwidth, "bandwidth_per_rank_GBps": per_rank_bw,
+            "step_copy_s": step}
+
+
 def cmd_estimate(ns) -> int:
     """What offload would free and cost, from the parameter count and the link's bandwidth."""
     try:
@@ -91,21 +113,12 @@ def cmd_estimate(ns) -> int:
     except ConfigError as e:
         print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
         return 2
-    per_rank = state_bytes_per_rank(ns.params, ns.world_size)
-    resident = 0 if budget_gb is None else min(per_rank, int(budget_gb * 2**30))
-    offloaded = per_rank - resident
-    slot = min(offloaded, sub_group_mb * 2**20)
     ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
-    host = offloaded * ranks_per_node
-    # Every rank of the node copies at once: each gets its own link's bandwidth until their sum
-    # reaches what the host's memory gives all of them together.
-    per_rank_bw = min(bandwidth, ns.host_bandwidth / ranks_per_node)
-    # Loads and write-backs overlap, both directions at once; the first load and the last
-    # write-back of the step have nothing to overlap with.
-    step = offloaded / (per_rank_bw * 1e9) + slot / (per_rank_bw * 1e9)
-    est = {"state_per_rank": per_rank, "gpu_freed_per_rank": offloaded, "staging_during_step": 2 * slot,
-           "host_pinned_per_node": host, "bandwidth_GBps": bandwidth, "bandwidth_measured": measured,
-           "host_bandwidth_GBps": ns.host_bandwidth, "bandwidth_per_rank_GBps": per_rank_bw, "step_copy_s": step}
+    est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, budget_gb)
+    est["bandwidth_measured"] = measured
+    per_rank, resident, offloaded = est["state_per_rank"], est["resident_per_rank"], est["gpu_freed_per_rank"]
+    slot, host, per_rank_bw, step = (est["staging_during_step"] // 2, est["host_pinned_per_node"],
+                                     est["bandwidth_per_rank_GBps"], est["step_copy_s"])
     if ns.json:
         print(json.dumps(est))
     else:
