@@ -14,14 +14,14 @@ One host store, one streamed step, one residency table (``runtime/stream.py``,
 - ``empty_cache`` (head of forward): returns cached blocks once per compile phase, not per step.
 
 Stream mode's own early loads from the gradient hook are off here (the graphs place the reloads);
-``prefetch`` of the first two sub-groups into the slots works as in stream mode without overlap.
+``prefetch`` of the first two sub-groups not kept into the slots works as in stream mode without overlap.
 
 The budget decides what moves. Reloaded sub-groups that fit beside the iteration's floor (the
 planner's ``plan_kept``) stay on the device from step to step: the step updates them where they are,
-and neither ``offload_launch`` nor ``reload`` moves them. The others reloaded leave at the head of
-forward and come back in backward; what was not reloaded streams through the step. So a budget
-that holds everything moves only the step's first two sub-groups (``prefetch`` loads them into the
-staging slots during backward; with it off, nothing), and a budget of 0 streams everything.
+and neither ``offload_launch`` nor ``reload`` moves them (nor ``prefetch``, which takes the first
+two that are not kept). The others reloaded leave at the head of forward and come back in backward;
+what was not reloaded streams through the step. So a budget that holds everything moves nothing
+after the first step of a phase, and a budget of 0 streams everything.
 Forwards DeepCompile did not profile (evaluation, a shape dynamo recompiles for) run beside the
 kept state too. Nothing stays between
 compile phases: ``begin_phase`` writes everything back, so DeepCompile profiles the floor, and the
@@ -123,17 +123,29 @@ class CompileMode(StreamMode):
     def keep(self, sub_groups, only_fewer=False):
         """From the pass, at the phase's last backward graph: these reloaded sub-groups stay on the
         device between steps (``planner.plan_kept``); ``only_fewer`` (a graph dynamo recompiled,
-        planned on its own profile): keep no more than before. The first two sub-groups of the step
-        are not kept while ``prefetch`` loads them into the staging slots in backward."""
+        planned on its own profile): keep no more than before. ``prefetch`` leaves kept ones alone
+        (``_prefetch_order``): they come back through their reload ops into buffers of their own."""
         kept = frozenset(int(i) for i in sub_groups)
         if only_fewer:
             kept &= self.kept
-        if self.cfg.prefetch:
-            kept -= frozenset(self.order[:2])
         self.kept = kept
         nbytes = sum(self.layout.nbytes[i] for i in self.kept)
         log_dist(f"[deepspeed-offload] compile mode: {len(self.kept)} of {len(self.order)} sub-groups "
                  f"({nbytes / 2**30:.2f} GiB) stay on the device between steps", ranks=[0])
+
+    def _prefetch_order(self):
+        # A kept sub-group prefetched into a slot would be written back from it after the step, and
+        # so move every step: prefetch takes the first two that are not kept.
+        return [i for i in self._stream_order() if i not in self.kept]
+
+    def _begin_step(self):
+        # A kept sub-group the step finds on the host (no reload op ran for it since a checkpoint or
+        # a skipped step wrote it back): into buffers of its own now, as its reload would have
+        # done, so that it stays; the slots are left to the sub-groups prefetch loaded into them.
+        for i in sorted(self.kept):
+            if not self.table[i].on_device:
+                self._load(i, slot=None, early=False)
+        super()._begin_step()
 
     # ------------------------------------------------------------------ early loads and late write-backs
 

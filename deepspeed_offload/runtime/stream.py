@@ -301,7 +301,7 @@ class StreamMode:
         if not self.copies.synchronous and \
                 self.acc.max_memory_allocated() + 2 * self.slot_bytes > 0.9 * self.acc.total_memory():
             return  # the peak seen so far plus both slots would not fit: load at the step instead
-        for k, i in enumerate(self._stream_order()[:2]):
+        for k, i in enumerate(self._prefetch_order()[:2]):
             if not self.table[i].on_device:
                 self._load(i, slot=k, early=True)
 
@@ -347,6 +347,10 @@ class StreamMode:
     def _stream_order(self) -> List[int]:
         """The sub-groups the step streams through the slots: all but those in buffers of their own."""
         return [i for i in self.order if not (self.table[i].on_device and self.table[i].slot is None)]
+
+    def _prefetch_order(self) -> List[int]:
+        """What ``prefetch`` loads into the two slots during backward: the first two the step will stream."""
+        return self._stream_order()
 
     def _begin_step(self):
         # (A sub-group still UPDATED in buffers of its own, compile mode's kept ones, or any whose

@@ -129,7 +129,7 @@ class CompileOps:
     """Compile mode's runtime without DeepCompile (which needs CUDA): the ops, called through
     ``torch.ops.ds_offload`` where the compiled graphs would call them: offloads and one empty_cache
     at the head of forward, reloads in backward (a hook on the model's output), the copy-stream
-    sync at its end. ``reload`` picks how many sub-groups come back early and ``keep`` how many of
+    sync at its end. ``reload`` picks how many sub-groups come back early and ``keep`` how many (or "all") of
     those stay on the device between steps (the planner's job on a GPU, once per compile phase)."""
 
     def __init__(self, engine, spec):
@@ -139,7 +139,8 @@ class CompileOps:
         setattr(engine, "_deepspeed_offload", self.mode)
         k = len(self.mode.priority) if spec["reload"] == "all" else spec["reload"]
         self.reloads = self.mode.priority[:k]
-        self.kept = self.reloads[:spec.get("keep", 0)]
+        keep = len(self.reloads) if spec.get("keep") == "all" else spec.get("keep", 0)
+        self.kept = self.reloads[:keep]
         self.new_phase()
 
     def new_phase(self):

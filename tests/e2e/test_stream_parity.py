@@ -220,6 +220,10 @@ COMPILE_OPS_CASES = {
     "reload_all_one_param_per_sub_group": dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5,
                                                overflow_step=2,
                                                compile_ops={"reload": "all", "keep": 3, "recompile_at": 4}),
+    # every sub-group comes back in backward and stays, the step's first two too (prefetch leaves
+    # kept ones to their reload ops): after the first step of a phase nothing moves
+    "reload_and_keep_all": dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, overflow_step=2,
+                                compile_ops={"reload": "all", "keep": "all", "recompile_at": 4}),
     # one sub-group early, the rest streamed by the step; reloads only on the boundary micro-batch
     "reload_some_gas2": dict(dtype="bf16", sub_group_size=600, frozen=True, gas=2, compile_ops={"reload": 1}),
 }
@@ -259,9 +263,12 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     handle = ours["handle"]
     order, counters, nbytes = handle["order"], handle["counters"], dict(zip(handle["order"], handle["nbytes"]))
     k = len(order) if spec["compile_ops"]["reload"] == "all" else spec["compile_ops"]["reload"]
-    reloaded = [i for i in list(reversed(order))[:k] if i not in order[:2]]  # prefetch holds order[:2]
     kept = handle["kept"]
-    assert reloaded and len(kept) == spec["compile_ops"].get("keep", 0) and set(kept) <= set(reloaded)
+    # prefetch holds the first two that are not kept; the reload ops bring back the rest
+    prefetched = [i for i in order if i not in kept][:2]
+    reloaded = [i for i in list(reversed(order))[:k] if i not in prefetched]
+    keep = spec["compile_ops"].get("keep", 0)
+    assert reloaded and len(kept) == (len(reloaded) if keep == "all" else keep) and set(kept) <= set(reloaded)
     leaving = [i for i in reloaded if i not in kept]  # written back at each forward's head
     recompile_at, skipped = spec["compile_ops"].get("recompile_at"), spec.get("overflow_step")
     if skipped is not None:
@@ -285,4 +292,6 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     h2d = [s["bytes_h2d"] for s in ours["step_stats"]]
     total, kept_bytes = sum(nbytes.values()), sum(nbytes[i] for i in kept)
     assert max(h2d) == total and min(h2d) == total - kept_bytes
+    if keep == "all":  # the step's first two as well: a budget that holds everything moves nothing
+        assert sorted(kept) == sorted(order) and min(h2d) == 0 and handle["stats"]["bytes_h2d"] == 0
     assert handle["stats"]["bytes_h2d"] == total - kept_bytes and handle["stats"]["bytes_d2h"] == total
