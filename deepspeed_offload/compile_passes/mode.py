@@ -21,12 +21,14 @@ planner's ``plan_kept``) stay on the device from step to step: the step updates 
 and neither ``offload_launch`` nor ``reload`` moves them (nor ``prefetch``, which takes the first
 two that are not kept). The others reloaded leave at the head of forward and come back in backward;
 what was not reloaded streams through the step. So a budget that holds everything moves nothing
-after the first step of a phase, and a budget of 0 streams everything.
+from a phase's third step on at the latest (in its first step, prefetch may have loaded the first
+two into the slots before the pass decided what stays), and a budget of 0 streams everything.
 Forwards DeepCompile did not profile (evaluation, a shape dynamo recompiles for) run beside the
 kept state too. Nothing stays between
 compile phases: ``begin_phase`` writes everything back, so DeepCompile profiles the floor, and the
 pass decides again. Anything on the CPU that reads host state (a checkpoint, ``state_dict``)
-writes the kept sub-groups back first; they come back at the next backward's reloads. With
+writes the kept sub-groups back first; they come back at the next backward's reloads (or, when
+the reader ran between backward and the step, at the step's start: ``_before_streaming``). With
 gradient accumulation, only the boundary micro-batch reloads; offloads happen on the first
 micro-batch, the only one that finds anything to write back.
 
@@ -138,14 +140,13 @@ class CompileMode(StreamMode):
         # so move every step: prefetch takes the first two that are not kept.
         return [i for i in self._stream_order() if i not in self.kept]
 
-    def _begin_step(self):
-        # A kept sub-group the step finds on the host (no reload op ran for it since a checkpoint or
-        # a skipped step wrote it back): into buffers of its own now, as its reload would have
+    def _before_streaming(self):
+        # A kept sub-group the step finds on the host (a reader of host state ran between backward
+        # and the step and wrote it back): into buffers of its own now, as its reload op would have
         # done, so that it stays; the slots are left to the sub-groups prefetch loaded into them.
         for i in sorted(self.kept):
             if not self.table[i].on_device:
                 self._load(i, slot=None, early=False)
-        super()._begin_step()
 
     # ------------------------------------------------------------------ early loads and late write-backs
 

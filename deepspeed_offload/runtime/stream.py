@@ -356,13 +356,18 @@ class StreamMode:
         # (A sub-group still UPDATED in buffers of its own, compile mode's kept ones, or any whose
         # offload_launch did not run, is updated again where it is: ``ResidencyTable.arrive``.)
         self._sample_peak()  # backward's
-        self._in_step = True
+        self._in_step = True  # from here on, a failure is undone by _abort_step
         if self.stats is None:
             self.stats = StepStats(self.copies)
+        self._before_streaming()
         self._streamed = self._stream_order()
         self._position = {i: k for k, i in enumerate(self._streamed)}
         for k, i in enumerate(self._streamed[:2]):  # both slots are free: fill them now
             self._load_into_slot(k)
+
+    def _before_streaming(self):
+        """At the step's start, before it decides what streams: loads the step must find in buffers
+        of their own (compile mode's kept sub-groups). Nothing in stream mode."""
 
     def _load_into_slot(self, k):
         """Load the ``k``-th streamed sub-group into slot ``k % 2`` unless it is there already."""

@@ -301,6 +301,8 @@ def train_with(spec):
             engine.backward(loss)
             if compile_ops is not None:
                 compile_ops.backward_end(x)
+            if step == spec.get("read_before_step_at") and micro == gas - 1:
+                engine.optimizer.state_dict()  # a reader of host state between backward and the step
             if step == spec.get("abort_at") and micro == gas - 1:
                 result_extra["abort"] = abort_step(engine, spec.get("abort_fail_at"))
                 continue

@@ -244,6 +244,32 @@ def test_a_step_that_raises_writes_compile_modes_kept_state_back(tmp_path):
     assert len(out["losses"]) == 4  # the steps after it ran
 
 
+@pytest.mark.parametrize("keep", ["all", 3])
+@needs_two_ranks
+def test_a_reader_between_backward_and_step_leaves_compile_modes_kept_state_kept(tmp_path, keep):
+    """A reader of host state (``state_dict``) between the last backward and the step writes the
+    kept sub-groups back; the step loads them into buffers of their own again, beside the ones
+    prefetch put into the slots, updates them there (bit for bit) and they stay on the device."""
+    spec = dict(COMPILE_OPS_CASES["reload_all_one_param_per_sub_group"], steps=5, api="deepspeed",
+                read_before_step_at=2)
+    spec.pop("overflow_step")
+    spec["compile_ops"] = {"reload": "all", "keep": keep}
+    plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
+    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}]), tmp_path, f"read_{keep}")
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    handle = ours["handle"]
+    nbytes = dict(zip(handle["order"], handle["nbytes"]))
+    total, kept = sum(nbytes.values()), handle["kept"]
+    kept_bytes = sum(nbytes[i] for i in kept)
+    assert len(kept) == (len(handle["order"]) if keep == "all" else keep)
+    h2d = [s["bytes_h2d"] for s in ours["step_stats"]]
+    in_step = [s["loaded_in_step"] for s in ours["step_stats"]]
+    # step 2 loads the kept ones again at its start (the reader wrote them back), then they stay
+    assert h2d[2] == total and in_step[2] == len(kept), (h2d, in_step)
+    assert h2d[3] == h2d[4] == total - kept_bytes, h2d
+
+
 @pytest.mark.parametrize("name", list(COMPILE_OPS_CASES))
 @needs_two_ranks
 def test_compile_mode_runtime_parity(tmp_path, name):
