@@ -141,11 +141,16 @@ class CompileOps:
         self.reloads = self.mode.priority[:k]
         keep = len(self.reloads) if spec.get("keep") == "all" else spec.get("keep", 0)
         self.kept = self.reloads[:keep]
+        # keep_late: the pass decides what stays while the phase's first backward runs, after the
+        # backward's prologue (prefetch) already ran, as DeepCompile compiles backward lazily on a GPU
+        self.keep_late = spec.get("keep_late", False)
         self.new_phase()
 
     def new_phase(self):
         self.mode.begin_phase()
-        self.mode.keep(self.kept)
+        self.undecided = self.keep_late
+        if not self.keep_late:
+            self.mode.keep(self.kept)
 
     def call(self, name, anchor, sub_group=None):
         fn = getattr(torch.ops.ds_offload, name)
@@ -157,6 +162,9 @@ class CompileOps:
         self.call("empty_cache", anchor)
 
     def in_backward(self, anchor):
+        if self.undecided:
+            self.undecided = False
+            self.mode.keep(self.kept)
         for i in self.reloads:
             self.call("reload", anchor, i)
 

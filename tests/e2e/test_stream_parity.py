@@ -270,6 +270,26 @@ def test_a_reader_between_backward_and_step_leaves_compile_modes_kept_state_kept
     assert h2d[3] == h2d[4] == total - kept_bytes, h2d
 
 
+@needs_two_ranks
+def test_compile_mode_keeps_what_prefetch_loaded_before_the_pass_decided(tmp_path):
+    """As on a GPU, where DeepCompile compiles backward (and the pass decides what stays) after the
+    first backward's prologue: prefetch has put the step's first two sub-groups into the slots, so
+    that step writes them back; the next step's reloads bring them into buffers of their own, and
+    from the third step on nothing moves."""
+    spec = dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, steps=5, api="deepspeed",
+                compile_ops={"reload": "all", "keep": "all", "keep_late": True})
+    plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
+    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}]), tmp_path, "keep_late")
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    handle = ours["handle"]
+    nbytes = dict(zip(handle["order"], handle["nbytes"]))
+    assert sorted(handle["kept"]) == sorted(handle["order"])
+    h2d = [s["bytes_h2d"] for s in ours["step_stats"]]
+    first_two = sum(nbytes[i] for i in handle["order"][:2])
+    assert h2d == [sum(nbytes.values()), first_two, 0, 0, 0], h2d
+
+
 @pytest.mark.parametrize("name", list(COMPILE_OPS_CASES))
 @needs_two_ranks
 def test_compile_mode_runtime_parity(tmp_path, name):
