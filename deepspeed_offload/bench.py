@@ -55,7 +55,7 @@ import time
 
 import torch
 
-from .config import state_bytes_per_rank
+from .config import estimate, state_bytes_per_rank
 
 # Every name --modes accepts, besides compile_offload@<budget> and the shorthands below.
 MODES = ["bandwidth", "resident", "stream", "stream_overlap", "stream_prefetch", "offload_states", "zero_offload",
@@ -567,7 +567,6 @@ def rss_bytes():
 def host_memory(per_rank, nparams, world):
     """Host memory per node, measured (every rank's host store and RSS; one node) against what
     ``deepspeed-offload estimate`` gives for everything offloaded."""
-    from .cli import estimate
     stores = [r.get("host_store_bytes") for r in per_rank]
     return {"ranks_per_node": world,
             "store_bytes_per_node": sum(stores) if all(s is not None for s in stores) else None,

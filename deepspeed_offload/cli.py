@@ -10,13 +10,8 @@ import json
 import math
 import sys
 
-from .config import (BLOCK, ConfigError, check_host_memory, format_bytes, load_ds_config, state_bytes_per_rank,
-                     validate)
-
-
-# Each way, both directions busy, summed over the ranks of one node: 2 ranks on a 2-GPU H200 host
-# each got 36.4 GB/s when both streamed at once, against 47.4-48.9 alone (docs/benchmarks.md).
-HOST_BANDWIDTH_GBPS = 72.9
+from .config import (BLOCK, HOST_BANDWIDTH_GBPS, ConfigError, check_host_memory, estimate, format_bytes,
+                     load_ds_config, state_bytes_per_rank, validate)
 
 
 def positive_int(text: str) -> int:
@@ -73,28 +68,6 @@ def cmd_check(ns) -> int:
     return 0
 
 
-def estimate(params, world_size, ranks_per_node, bandwidth, host_bandwidth=HOST_BANDWIDTH_GBPS, sub_group_mb=256,
-             budget_gb=0.0) -> dict:
-    """What offload frees and costs per rank and per node (bytes, GB/s, seconds): ``params`` over
-    ``world_size`` ranks, ``ranks_per_node`` of them sharing a host whose memory gives
-    ``host_bandwidth`` GB/s each way in all, each rank's link ``bandwidth`` GB/s each way; the part of
-    the state under ``budget_gb`` stays resident (None: derived at attach, taken as 0 here)."""
-    per_rank = state_bytes_per_rank(params, world_size)
-    resident = 0 if budget_gb is None else min(per_rank, int(budget_gb * 2**30))
-    offloaded = per_rank - resident
-    slot = min(offloaded, sub_group_mb * 2**20)
-    # Every rank of the node copies at once: each gets its own link's bandwidth until their sum
-    # reaches what the host's memory gives all of them together.
-    per_rank_bw = min(bandwidth, host_bandwidth / ranks_per_node)
-    # Loads and write-backs overlap, both directions at once; the first load and the last
-    # write-back of the step have nothing to overlap with.
-    step = offloaded / (per_rank_bw * 1e9) + slot / (per_rank_bw * 1e9)
-    return {"state_per_rank": per_rank, "resident_per_rank": resident, "gpu_freed_per_rank": offloaded,
-            "staging_during_step": 2 * slot, "host_pinned_per_node": offloaded * ranks_per_node,
-            "bandwidth_GBps": bandwidth, "host_bandwidth_GBps": host_bandwidth, "bandwidth_per_rank_GBps": per_rank_bw,
-            "step_copy_s": step}
-
-
 def cmd_estimate(ns) -> int:
     """What offload would free and cost, from the parameter count and the link's bandwidth."""
     try:
@@ -116,25 +89,24 @@ def cmd_estimate(ns) -> int:
     ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
     est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, budget_gb)
     est["bandwidth_measured"] = measured
-    per_rank, resident, offloaded = est["state_per_rank"], est["resident_per_rank"], est["gpu_freed_per_rank"]
-    slot, host, per_rank_bw, step = (est["staging_during_step"] // 2, est["host_pinned_per_node"],
-                                     est["bandwidth_per_rank_GBps"], est["step_copy_s"])
     if ns.json:
         print(json.dumps(est))
     else:
         src = "measured" if measured else "given"
         budget = "derived from the device at attach (taken as 0 here)" if budget_gb is None else f"{budget_gb:g} GiB"
-        print(f"optimizer state per rank: {format_bytes(per_rank)} (12 bytes x {-(-ns.params // ns.world_size):,} "
-              f"parameters); kept resident: {format_bytes(resident)} (budget {budget})")
-        print(f"GPU memory freed per rank between steps: {format_bytes(offloaded)}; during the step the GPU "
-              f"holds two staging slots, {format_bytes(2 * slot)}")
-        print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(host)}")
+        per_rank_bw = est["bandwidth_per_rank_GBps"]
+        print(f"optimizer state per rank: {format_bytes(est['state_per_rank'])} (12 bytes x "
+              f"{-(-ns.params // ns.world_size):,} parameters); kept resident: {format_bytes(est['resident_per_rank'])} "
+              f"(budget {budget})")
+        print(f"GPU memory freed per rank between steps: {format_bytes(est['gpu_freed_per_rank'])}; during the step "
+              f"the GPU holds two staging slots, {format_bytes(est['staging_during_step'])}")
+        print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(est['host_pinned_per_node'])}")
         shared = ("" if per_rank_bw == bandwidth else
                   f", the host's {ns.host_bandwidth:.1f} GB/s shared by {ranks_per_node} ranks")
-        print(f"step copy time: {step:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link {bandwidth:.1f} "
-              f"GB/s, {src}{shared})")
+        print(f"step copy time: {est['step_copy_s']:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link "
+              f"{bandwidth:.1f} GB/s, {src}{shared})")
     try:
-        check_host_memory(host, what=f"{ranks_per_node} ranks' host stores")
+        check_host_memory(est["host_pinned_per_node"], what=f"{ranks_per_node} ranks' host stores")
     except ConfigError as e:
         print(f"warning: {e.reason}", file=sys.stderr)
     return 0
