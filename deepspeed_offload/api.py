@@ -11,14 +11,29 @@ import os
 import weakref
 from typing import Any, Dict
 
+import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.utils import log_dist, logger
 
-from .config import (BLOCK, ConfigError, Plan, check_host_memory, load_ds_config, local_ranks, state_bytes_per_rank,
-                     resolve_config_source, validate)
+from .config import Plan, validate
+from .ds_config import load_ds_config, resolve_config_source
+from .errors import BLOCK, ConfigError
+from .estimate import host_plan
+from .handle import HANDLE_ATTR, get_handle  # noqa: F401 (get_handle: public, re-exported)
+from .host_memory import check_host_plan
 
-HANDLE_ATTR = "_deepspeed_offload"
+# The attribute install() sets on the deepspeed.initialize it puts in place.
+INSTALLED_MARK = "_deepspeed_offload_installed"
 _UNRESOLVED = object()
+
+
+def deepspeed_initialize():
+    """DeepSpeed's own ``initialize``: ``deepspeed.initialize``, or, after ``install()`` replaced it,
+    the function it wraps. ``initialize`` calls this one, so an engine is never attached twice."""
+    fn = deepspeed.initialize
+    while getattr(fn, INSTALLED_MARK, False):
+        fn = fn.__wrapped__
+    return fn
 # Every engine of this process with offload attached: what the framework guards (integrations.py)
 # wait for before a framework deletes or uploads a checkpoint folder.
 _attached = weakref.WeakSet()
@@ -43,8 +58,7 @@ def initialize(args=None,
     evaluation, a reference model) or without trainable parameters is returned as DeepSpeed built it,
     with one log line. Calls DeepSpeed's own ``initialize`` even after ``install()``, so an engine is
     never attached twice."""
-    from .install import original_initialize
-    return build(original_initialize(),
+    return build(deepspeed_initialize(),
                  dict(args=args,
                       model=model,
                       optimizer=optimizer,
@@ -105,18 +119,13 @@ def _attach_if_trainable(engine, plan: Plan):
 
 
 def _check_host_memory_before_deepspeed(plan: Plan, model):
-    """The host stores of this node's ranks must fit: say so before DeepSpeed builds anything.
-    (The store checks again, exactly, before it pins.)"""
+    """The host stores of this node's ranks, and what DeepSpeed pins itself, must fit: say so before
+    DeepSpeed builds anything. (The store checks again, with its exact bytes, before it pins.)"""
     if model is None:
         return
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    per_rank = state_bytes_per_rank(params, world)
-    budget = plan.offload.memory_budget_gb
-    if budget:
-        per_rank = max(0, per_rank - int(budget * 2**30))
-    ranks = local_ranks()
-    check_host_memory(per_rank * ranks, what=f"the pinned host stores of {ranks} rank(s) on this node")
+    check_host_plan(host_plan(params, world, budget_gb=plan.offload.memory_budget_gb, ds_config=plan.ds_config))
 
 
 def attach(engine, config=None):
@@ -128,11 +137,6 @@ def attach(engine, config=None):
         logger.info(f"[deepspeed-offload] {BLOCK} is absent or disabled: engine left as it is")
         return None
     return _attach_mode(engine, plan)
-
-
-def get_handle(engine):
-    """The stream/compile mode object attached to ``engine`` (stats, counters), or None."""
-    return getattr(engine, HANDLE_ATTR, None)
 
 
 def _check_engine(engine, plan: Plan):

@@ -55,7 +55,7 @@ import time
 
 import torch
 
-from .config import estimate, state_bytes_per_rank
+from .estimate import estimate, state_bytes_per_rank
 
 # Every name --modes accepts, besides compile_offload@<budget> and the shorthands below.
 MODES = ["bandwidth", "resident", "stream", "stream_overlap", "stream_prefetch", "offload_states", "zero_offload",

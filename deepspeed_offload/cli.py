@@ -10,8 +10,11 @@ import json
 import math
 import sys
 
-from .config import (BLOCK, HOST_BANDWIDTH_GBPS, ConfigError, check_host_memory, estimate, format_bytes,
-                     load_ds_config, state_bytes_per_rank, validate)
+from .config import validate
+from .ds_config import load_ds_config
+from .errors import BLOCK, ConfigError
+from .estimate import HOST_BANDWIDTH_GBPS, estimate, host_plan
+from .host_memory import HostMemory, check_host_plan, format_bytes
 
 
 def positive_int(text: str) -> int:
@@ -48,10 +51,12 @@ def cmd_check(ns) -> int:
         plan = validate(ds_config, strict_when_disabled=True, world_size=ns.world_size)
         host_line = ""
         if plan is not None and ns.params:
-            world = ns.world_size or 1
-            per_rank = state_bytes_per_rank(ns.params, world)
-            check_host_memory(per_rank * ns.ranks_per_node, what=f"{ns.ranks_per_node} rank(s) on this node")
-            host_line = f", host memory {format_bytes(per_rank)} per rank"
+            host = host_plan(ns.params, ns.world_size or 1, ns.ranks_per_node, plan.offload.memory_budget_gb,
+                             plan.ds_config)
+            check_host_plan(host)
+            host_line = (f", host memory {format_bytes(host.store_per_rank)} per rank, "
+                         f"{format_bytes(host.needed)} for the node's {host.ranks} rank(s) of "
+                         f"{format_bytes(HostMemory.read().usable)} usable")
     except ConfigError as e:
         where = "" if e.path == ns.config else f"{ns.config}: "  # file errors name the file already
         print(f"deepspeed-offload: {where}{e}", file=sys.stderr)
@@ -106,9 +111,9 @@ def cmd_estimate(ns) -> int:
         print(f"step copy time: {est['step_copy_s']:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link "
               f"{bandwidth:.1f} GB/s, {src}{shared})")
     try:
-        check_host_memory(est["host_pinned_per_node"], what=f"{ranks_per_node} ranks' host stores")
+        check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb))
     except ConfigError as e:
-        print(f"warning: {e.reason}", file=sys.stderr)
+        print(f"warning (this host): {e.reason}", file=sys.stderr)
     return 0
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 from importlib import metadata
 
-from .config import format_bytes, host_memory_available, meminfo
+from .host_memory import HostMemory, format_bytes, gpu_bus_id, meminfo, numa_nodes, pci_numa_node
 
 PIN_TEST_BYTES = 64 * 2**20
 # bench.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
@@ -140,8 +140,18 @@ def probe_devices():
     devices = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        devices.append({"name": p.name, "memory": p.total_memory, "capability": f"{p.major}.{p.minor}"})
+        bus = gpu_bus_id(i)
+        devices.append({"name": p.name, "memory": p.total_memory, "capability": f"{p.major}.{p.minor}", "pci": bus,
+                        "numa_node": pci_numa_node(bus) if bus else None})
     return devices
+
+
+def probe_numa_nodes():
+    """The host's NUMA nodes (the store's pages go to the node of each rank's GPU)."""
+    nodes = numa_nodes()
+    if not nodes:
+        raise Unavailable("no /sys/devices/system/node")
+    return nodes
 
 
 def probe_nccl():
@@ -157,56 +167,43 @@ def probe_memlock_limit():
 
 
 def probe_host_memory():
-    return {"total": _meminfo("MemTotal"), "available": host_memory_available()}
-
-
-def _cgroup_limit():
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        # cgroup v1 says "no limit" with a huge page-rounded number
-        return "unlimited" if text == "max" or int(text) >= 2**62 else int(text)
-    raise Unavailable("no cgroup memory limit file")
+    """MemTotal and MemAvailable; ``free``: what the node can give (the cgroup may allow less);
+    ``usable``: what the pinned stores may take, after the headroom left for the rest of the host."""
+    memory = HostMemory.read()
+    return {"total": _meminfo("MemTotal"), "available": memory.available, "free": memory.free,
+            "usable": memory.usable}
 
 
 def probe_cgroup_memory_limit():
-    return _cgroup_limit()
+    limit, usage = HostMemory.read().cgroup_limit, HostMemory.read().cgroup_usage
+    return "unlimited" if limit is None else {"limit": limit, "usage": usage}
 
 
 def probe_pinnable_host_memory():
-    """What the host store could pin at most: MemAvailable, bounded by the memlock soft limit and the
-    cgroup's memory limit."""
-    bounds = {"MemAvailable": host_memory_available()}
+    """What the host stores could pin at most: the usable host memory, bounded by the memlock soft limit."""
+    bounds = {"usable host memory": HostMemory.read().usable}
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     if soft != resource.RLIM_INFINITY:
         bounds["memlock limit (ulimit -l)"] = soft
-    try:
-        cgroup = _cgroup_limit()
-        if cgroup != "unlimited":
-            bounds["cgroup memory limit"] = cgroup
-    except Unavailable:
-        pass
     limited_by = min(bounds, key=bounds.get)
     return {"bytes": bounds[limited_by], "limited_by": limited_by}
 
 
 def probe_pin_test():
-    """Page-lock 64 MiB the way the host store does (the accelerator's pin_empty)."""
+    """Page-lock 64 MiB the way the host store does (``runtime/pinned.py``: exact size, registered)."""
     _need_cuda()
     import torch
     from deepspeed.accelerator import get_accelerator
+
+    from .runtime import pinned
     acc = get_accelerator()
-    t = time.perf_counter()
-    buf = acc.pin_empty(PIN_TEST_BYTES, dtype=torch.uint8)
-    seconds = time.perf_counter() - t
-    pinned = acc.is_pinned(buf)
-    del buf
-    if not pinned:
-        raise RuntimeError(f"pin_empty returned {format_bytes(PIN_TEST_BYTES)} that is not page-locked")
-    return {"bytes": PIN_TEST_BYTES, "seconds": seconds}
+    buffers, stats = pinned.allocate({torch.uint8: PIN_TEST_BYTES}, {torch.uint8: [(0, PIN_TEST_BYTES)]},
+                                     pinned.make_pinner(acc, True), fallback=lambda n, dt: acc.pin_empty(n, dtype=dt))
+    ok = acc.is_pinned(buffers[torch.uint8])
+    del buffers
+    if not ok:
+        raise RuntimeError(f"{format_bytes(PIN_TEST_BYTES)} locked with {stats.kind} are not page-locked")
+    return {"bytes": PIN_TEST_BYTES, "seconds": stats.seconds, "how": stats.kind}
 
 
 def probe_dev_shm():
@@ -271,6 +268,7 @@ PROBES = [
     ("accelerator", probe_accelerator),
     ("device_count", probe_device_count),
     ("devices", probe_devices),
+    ("numa_nodes", probe_numa_nodes),
     ("nccl", probe_nccl),
     ("memlock_limit", probe_memlock_limit),
     ("host_memory", probe_host_memory),
@@ -322,13 +320,16 @@ def _fmt_bytes(n):
 
 FORMATS = {
     "build_env": lambda v: ", ".join(f"{k}={val}" for k, val in v.items()) or "none of " + " ".join(BUILD_ENV),
-    "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}"
-                                    for i, d in enumerate(ds)),
+    "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "
+                                    f"PCI {d['pci']}, NUMA node {d['numa_node']}" for i, d in enumerate(ds)),
+    "numa_nodes": lambda v: f"{len(v)} ({', '.join(map(str, v))})",
     "memlock_limit": lambda v: f"soft {_fmt_bytes(v['soft'])}, hard {_fmt_bytes(v['hard'])}",
-    "host_memory": lambda v: f"{format_bytes(v['available'])} available of {format_bytes(v['total'])}",
-    "cgroup_memory_limit": _fmt_bytes,
+    "host_memory": lambda v: (f"{format_bytes(v['available'])} available of {format_bytes(v['total'])}; the "
+                              f"stores may pin {format_bytes(v['usable'])}"),
+    "cgroup_memory_limit": lambda v: v if isinstance(v, str) else
+    f"{format_bytes(v['limit'])}, {format_bytes(v['usage'])} used",
     "pinnable_host_memory": lambda v: f"{format_bytes(v['bytes'])} (limited by {v['limited_by']})",
-    "pin_test": lambda v: f"ok, {format_bytes(v['bytes'])} pinned with pin_empty in {v['seconds'] * 1e3:.1f} ms",
+    "pin_test": lambda v: f"ok, {format_bytes(v['bytes'])} pinned ({v['how']}) in {v['seconds'] * 1e3:.1f} ms",
     "dev_shm": lambda v: f"{format_bytes(v['free'])} free of {format_bytes(v['total'])}",
     "pinned_bandwidth": lambda v: (f"H2D {v['h2d_GBps']:.1f} GB/s, D2H {v['d2h_GBps']:.1f} GB/s, both at once "
                                    f"{v['both_each_way_GBps']:.1f} GB/s each way; pageable H2D "

@@ -21,20 +21,20 @@ import deepspeed
 from deepspeed.utils import log_dist
 
 from . import api
-from .config import ConfigError, resolve_config_source
+from .ds_config import resolve_config_source
+from .errors import ConfigError
 from .runtime.patches import PatchRegistry
 
 _registry = None  # the PatchRegistry while installed
-_original = None  # deepspeed.initialize as it was before install()
 
 
 def install():
     """Make every later ``deepspeed.initialize`` in this process apply the offload block. Idempotent."""
-    global _registry, _original
+    global _registry
     if _registry is not None:
         return
     registry = PatchRegistry("deepspeed-offload install()")
-    _original = registry.patch(deepspeed, "initialize", _offloading_initialize)
+    registry.patch(deepspeed, "initialize", _offloading_initialize)
     _registry = registry
     from .integrations import guard_frameworks
     guard_frameworks(registry)
@@ -44,20 +44,15 @@ def install():
 
 def uninstall():
     """Put ``deepspeed.initialize`` and the framework guards back as they were. Safe to call twice."""
-    global _registry, _original
+    global _registry
     if _registry is None:
         return
     _registry.remove_all()
-    _registry, _original = None, None
+    _registry = None
 
 
 def is_installed() -> bool:
     return _registry is not None
-
-
-def original_initialize():
-    """DeepSpeed's ``initialize`` without the patch (what was there before ``install()``)."""
-    return _original if _registry is not None else deepspeed.initialize
 
 
 def _offloading_initialize(original):
@@ -84,4 +79,5 @@ def _offloading_initialize(original):
             return original(*args, **kwargs)  # no ds_config at all: DeepSpeed says what it thinks of that
         return api.build(original, call, source=source)
 
+    setattr(initialize, api.INSTALLED_MARK, True)  # functools.wraps set __wrapped__ = original
     return initialize

@@ -10,7 +10,7 @@ One host store, one streamed step, one residency table (``runtime/stream.py``,
 - ``offload_launch`` (head of the next forward): ``offload_for_forward`` writes the updated
   sub-group back and hands its buffers to the allocator once the copy is done, unless the pass
   keeps it on the device (``keep``). (Stream mode writes such a sub-group back at once, in the
-  step; compile mode defers it to this op: ``DEFER_WRITE_BACK``.)
+  step; compile mode defers it to this op: ``defer_write_back``.)
 - ``empty_cache`` (head of forward): returns cached blocks once per compile phase, not per step.
 
 Stream mode's own early loads from the gradient hook are off here (the graphs place the reloads);
@@ -28,7 +28,7 @@ kept state too. Nothing stays between
 compile phases: ``begin_phase`` writes everything back, so DeepCompile profiles the floor, and the
 pass decides again. Anything on the CPU that reads host state (a checkpoint, ``state_dict``)
 writes the kept sub-groups back first; they come back at the next backward's reloads (or, when
-the reader ran between backward and the step, at the step's start: ``_before_streaming``). With
+the reader ran between backward and the step, at the step's start: ``LoadTiming.load_at_step_start``). With
 gradient accumulation, only the boundary micro-batch reloads; offloads happen on the first
 micro-batch, the only one that finds anything to write back.
 
@@ -59,13 +59,12 @@ def _deepcompile_is_profiling() -> bool:
 
 
 class CompileMode(StreamMode):
-    """Attached to one engine that will run under DeepCompile with our pass in its schedule."""
-
-    OVERLAP_IN_BACKWARD = False  # the reload ops placed by the planner load early instead
-    DEFER_WRITE_BACK = True  # offload_launch at the next forward's head writes back
+    """Attached to one engine that will run under DeepCompile with our pass in its schedule. The
+    reload ops the planner places load early instead of the gradient hook, and ``offload_launch`` at
+    the next forward's head writes back what the step left in buffers of its own."""
 
     def __init__(self, engine, cfg, is_profiling=_deepcompile_is_profiling):
-        super().__init__(engine, cfg)
+        super().__init__(engine, cfg, early_in_backward=False, defer_write_back=True)
         self.is_profiling = is_profiling
         self.counters: Dict[str, int] = dict(launches=0, reloads=0, empty_cache=0, syncs=0, bytes_offloaded=0,
                                              bytes_reloaded=0, phases=0)
@@ -73,17 +72,21 @@ class CompileMode(StreamMode):
         # early are therefore the last of the order, and they are written back in the same order
         # so that the next reload of each finds its own write-back done first.
         self.priority = list(reversed(self.order))
-        self.kept = frozenset()  # reloaded sub-groups that stay on the device between steps (this phase)
         self._planner_budget = self._agreed_budget()
         self._empty_cache_armed = False
-        ops.register_ops()
-        ops.bind(self)
+        self.ops_key = ops.bind(self)
         log_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
                  ranks=[0])
 
     def detach(self):
-        ops.unbind(self)
+        ops.unbind(self.ops_key)
         super().detach()
+
+    @property
+    def kept(self):
+        """Reloaded sub-groups that stay on the device between steps (this phase): the timing
+        policy's, which prefetch leaves alone and the step loads into buffers of their own."""
+        return self.timing.kept
 
     def _resident_budget_bytes(self) -> int:
         return 0  # capacity-first: at attach nothing is known of the graphs; the pass decides what stays
@@ -118,7 +121,7 @@ class CompileMode(StreamMode):
         with unset_fake_temporarily():
             self.synchronize_for_checkpoint()
             self.table.release_loaded()
-        self.kept = frozenset()  # the pass decides again from this phase's profile
+        self.timing.kept = frozenset()  # the pass decides again from this phase's profile
         self._empty_cache_armed = True
         self.counters["phases"] += 1
 
@@ -126,27 +129,14 @@ class CompileMode(StreamMode):
         """From the pass, at the phase's last backward graph: these reloaded sub-groups stay on the
         device between steps (``planner.plan_kept``); ``only_fewer`` (a graph dynamo recompiled,
         planned on its own profile): keep no more than before. ``prefetch`` leaves kept ones alone
-        (``_prefetch_order``): they come back through their reload ops into buffers of their own."""
+        (``LoadTiming.prefetch_order``): they come back through their reload ops into buffers of their own."""
         kept = frozenset(int(i) for i in sub_groups)
         if only_fewer:
             kept &= self.kept
-        self.kept = kept
+        self.timing.kept = kept
         nbytes = sum(self.layout.nbytes[i] for i in self.kept)
         log_dist(f"[deepspeed-offload] compile mode: {len(self.kept)} of {len(self.order)} sub-groups "
                  f"({nbytes / 2**30:.2f} GiB) stay on the device between steps", ranks=[0])
-
-    def _prefetch_order(self):
-        # A kept sub-group prefetched into a slot would be written back from it after the step, and
-        # so move every step: prefetch takes the first two that are not kept.
-        return [i for i in self._stream_order() if i not in self.kept]
-
-    def _before_streaming(self):
-        # A kept sub-group the step finds on the host (a reader of host state ran between backward
-        # and the step and wrote it back): into buffers of its own now, as its reload op would have
-        # done, so that it stays; the slots are left to the sub-groups prefetch loaded into them.
-        for i in sorted(self.kept):
-            if not self.table[i].on_device:
-                self._load(i, slot=None, early=False)
 
     # ------------------------------------------------------------------ early loads and late write-backs
 

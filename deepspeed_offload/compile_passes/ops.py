@@ -2,18 +2,19 @@
 
 ``torch.ops.ds_offload``::
 
-    offload_launch(Tensor anchor, int idx) -> ()   head of the first forward graph, one per sub-group
-    reload(Tensor anchor, int idx) -> ()           in backward, where the planner found room
-    empty_cache(Tensor anchor) -> ()               head of the first forward graph; acts once per phase
-    copy_stream_sync(Tensor anchor) -> ()          end of the last backward graph
+    offload_launch(Tensor anchor, int engine, int idx) -> ()   head of the first forward graph, one per sub-group
+    reload(Tensor anchor, int engine, int idx) -> ()           in backward, where the planner found room
+    empty_cache(Tensor anchor, int engine) -> ()               head of the first forward graph; once per phase
+    copy_stream_sync(Tensor anchor, int engine) -> ()          end of the last backward graph
 
 Why ops and not Python closures in the graph: inductor can only compile, cache and order what has
-a schema and a Meta kernel. Live tensors never cross the op boundary: ``idx`` indexes the attached
-mode's table of offloaded sub-groups (the ZeRO-3 sub-group number), and ``anchor`` is a tensor
-of the graph, there so the dispatcher has something to route on (and, for reloads, to order them).
-The work itself is done by the attached mode (``bind``). The index is the sub-group's own number,
-not a position in a per-process list, because inductor and AOT autograd cache compiled graphs
-across processes: a graph loaded from that cache must still name the same sub-group.
+a schema and a Meta kernel. Live tensors never cross the op boundary: ``engine`` is the key ``bind``
+gave the compile mode attached to the graph's engine (several engines in one process each get their
+own), ``idx`` the ZeRO-3 sub-group number, and ``anchor`` a tensor of the graph, there so the
+dispatcher has something to route on (and, for reloads, to order them). Both numbers are the same
+in every process that attaches its engines in the same order, because inductor and AOT autograd
+cache compiled graphs across processes: a graph loaded from that cache must still name the same
+engine and sub-group.
 
 Nothing consumes the ops' outputs (they have none), so two dead-code eliminations would drop them:
 FX's, which spares what is in ``_side_effectful_functions``, and inductor's, which spares ops with
@@ -26,7 +27,7 @@ data dependency that no reordering can cross.
 ``register_ops`` is idempotent within a process.
 """
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -34,43 +35,47 @@ NAMESPACE = "ds_offload"
 
 # name, schema, the mode's method it calls (with the task's sub-group where the op has an idx)
 _SPECS = [
-    ("offload_launch", "offload_launch(Tensor anchor, int idx) -> ()", "op_offload_launch"),
-    ("reload", "reload(Tensor anchor, int idx) -> ()", "op_reload"),
-    ("empty_cache", "empty_cache(Tensor anchor) -> ()", "op_empty_cache"),
-    ("copy_stream_sync", "copy_stream_sync(Tensor anchor) -> ()", "op_copy_stream_sync"),
+    ("offload_launch", "offload_launch(Tensor anchor, int engine, int idx) -> ()", "op_offload_launch"),
+    ("reload", "reload(Tensor anchor, int engine, int idx) -> ()", "op_reload"),
+    ("empty_cache", "empty_cache(Tensor anchor, int engine) -> ()", "op_empty_cache"),
+    ("copy_stream_sync", "copy_stream_sync(Tensor anchor, int engine) -> ()", "op_copy_stream_sync"),
 ]
 
-_runtime = None  # the attached compile mode; the ops call into it
+_runtimes: Dict[int, object] = {}  # bind() key -> the attached compile mode the ops call into
+_next_key = 0
 _lib: Optional[torch.library.Library] = None
 
 
-def bind(runtime):
-    global _runtime
-    _runtime = runtime
+def bind(runtime) -> int:
+    """Register ``runtime`` (registering the ops first if needed); returns the key its graphs name."""
+    global _next_key
+    register_ops()
+    key, _next_key = _next_key, _next_key + 1
+    _runtimes[key] = runtime
+    return key
 
 
-def unbind(runtime):
-    global _runtime
-    if _runtime is runtime:
-        _runtime = None
+def unbind(key: int):
+    _runtimes.pop(key, None)
 
 
-def _call(method: str, idx: Optional[int]):
-    if _runtime is None:
-        raise RuntimeError(f"torch.ops.{NAMESPACE} ran with no deepspeed-offload compile mode attached: "
-                           "the graph was compiled for an engine that is gone")
-    fn = getattr(_runtime, method)
+def _call(method: str, engine: int, idx: Optional[int]):
+    runtime = _runtimes.get(engine)
+    if runtime is None:
+        raise RuntimeError(f"torch.ops.{NAMESPACE} ran for engine {engine}, which has no deepspeed-offload compile "
+                           "mode attached: the graph was compiled for an engine that is gone")
+    fn = getattr(runtime, method)
     return fn() if idx is None else fn(idx)
 
 
 def _kernel(method: str, with_idx: bool):
     if with_idx:
-        return lambda anchor, idx: _call(method, idx)
-    return lambda anchor: _call(method, None)
+        return lambda anchor, engine, idx: _call(method, engine, idx)
+    return lambda anchor, engine: _call(method, engine, None)
 
 
 def _meta(with_idx: bool):
-    return (lambda anchor, idx: None) if with_idx else (lambda anchor: None)
+    return (lambda anchor, engine, idx: None) if with_idx else (lambda anchor, engine: None)
 
 
 def op(name: str):

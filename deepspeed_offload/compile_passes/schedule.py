@@ -102,7 +102,7 @@ class OffloadPass:
             if unlisted or graph_id == with_bwd[0]:  # the last one
                 out = next(n for n in graph.nodes if n.op == "output")
                 with graph.inserting_before(out):
-                    graph.call_function(ops.op("copy_stream_sync"), (_anchor(graph), ))
+                    graph.call_function(ops.op("copy_stream_sync"), (_anchor(graph), self.mode.ops_key))
                 self.mode.keep(plan_kept(self.placed, self.mode.planner_budget_bytes(), self.floor),
                                only_fewer=unlisted)
                 if self.pending:
@@ -114,8 +114,8 @@ class OffloadPass:
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first):
             for i in self.mode.priority:
-                graph.call_function(ops.op("offload_launch"), (anchor, int(i)))
-            graph.call_function(ops.op("empty_cache"), (anchor, ))
+                graph.call_function(ops.op("offload_launch"), (anchor, self.mode.ops_key, int(i)))
+            graph.call_function(ops.op("empty_cache"), (anchor, self.mode.ops_key))
 
     def _insert_reloads(self, graph, profiling_results, graph_id):
         profile = profiling_results.get(graph_id)
@@ -152,7 +152,7 @@ class OffloadPass:
             anchor = at if isinstance(at.meta.get("val"), torch.Tensor) else fallback
             for i in sub_groups:
                 with graph.inserting_after(at):
-                    at = graph.call_function(ops.op("reload"), (anchor, int(i)))
+                    at = graph.call_function(ops.op("reload"), (anchor, self.mode.ops_key, int(i)))
                 self.held += self.mode.sub_group_bytes(i)
                 self.placed.append((i, self.mode.sub_group_bytes(i)))
 

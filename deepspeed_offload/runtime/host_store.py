@@ -1,6 +1,7 @@
 """The host store: where offloaded optimizer state lives between steps.
 
-One flat host buffer per dtype, sized and pinned once at attach. Inside it every offloaded ZeRO-3
+One flat host buffer per dtype, allocated at its exact size and page-locked once at attach
+(``pinned.py``: no power-of-two rounding, slabs cut at region boundaries). Inside it every offloaded ZeRO-3
 sub-group owns one contiguous region per dtype, holding its fp32 master and its optimizer-state
 tensors back to back (master first, then state keys in sorted order). A sub-group therefore moves
 between host and GPU in one copy per dtype, and a staging slot is laid out like a region.
@@ -9,6 +10,7 @@ The store only holds memory and says where each tensor's slice is; which DeepSpe
 points at it (``.data`` rebinding) is the streamed step's business.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -16,7 +18,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from ..config import BLOCK, ConfigError, check_host_memory, local_ranks
+from ..errors import ConfigError
+from ..host_memory import BLOCK, HostPlan, check_host_plan, gpu_numa_node, local_ranks
+from . import pinned
 
 MASTER = "__master__"
 
@@ -32,7 +36,7 @@ class Slice:
 
 class HostStore:
 
-    def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool):
+    def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool, budget_gb=None):
         """``layout[sub_group] = [(key, dtype, numel), ...]`` for every offloaded sub-group."""
         self.slices: Dict[int, Dict[str, Slice]] = {}
         self.regions: Dict[int, Dict[torch.dtype, Tuple[int, int]]] = {}  # sub_group -> dtype -> (start, numel)
@@ -46,28 +50,28 @@ class HostStore:
                 self.regions[sg][dtype] = (start, length + numel)
                 totals[dtype] = start + length + numel
 
-        nbytes = {dt: n * torch.empty(0, dtype=dt).element_size() for dt, n in totals.items()}
-        self.nbytes = sum(nbytes.values())
-        ranks = local_ranks()  # every rank on this node pins a store of about this size
-        check_host_memory(self.nbytes * ranks, what=f"the pinned host stores of {ranks} rank(s) on this node")
+        size = {dt: torch.empty(0, dtype=dt).element_size() for dt in totals}
+        self.nbytes_by_dtype = {dt: n * size[dt] for dt, n in totals.items()}
+        self.nbytes = sum(self.nbytes_by_dtype.values())
+        # Every rank on this node pins a store of about this size: all of them must fit, checked
+        # with the exact bytes before the first byte is pinned.
+        check_host_plan(HostPlan(self.nbytes, local_ranks(), budget_gb=budget_gb))
         acc = get_accelerator()
-        self.buffers: Dict[torch.dtype, torch.Tensor] = {}
-        for dt, n in totals.items():
-            if pin_memory:
-                try:
-                    self.buffers[dt] = acc.pin_empty(n, dtype=dt)
-                except RuntimeError as e:
-                    self.buffers.clear()
-                    raise ConfigError(f"{BLOCK}.pin_memory",
-                                      f"pinning {nbytes[dt] / 2**30:.2f} GiB of host memory failed ({e}); raise the "
-                                      "locked-memory limit (ulimit -l) or set pin_memory to false (slower copies)") \
-                        from e
-            else:
-                self.buffers[dt] = torch.empty(n, dtype=dt)
+        bounds = {dt: [] for dt in totals}
+        for sg in sorted(self.regions):
+            for dt, (start, numel) in self.regions[sg].items():
+                bounds[dt].append((start * size[dt], (start + numel) * size[dt]))
+        node = gpu_numa_node(acc.current_device()) if acc.device_name() == "cuda" else None
+        try:
+            self.buffers, self.pinning = pinned.allocate(
+                totals, bounds, pinned.make_pinner(acc, pin_memory), numa_node=node,
+                show_progress=os.environ.get("LOCAL_RANK", "0") == "0",
+                fallback=lambda n, dt: acc.pin_empty(n, dtype=dt))
+        except RuntimeError as e:
+            raise ConfigError(f"{BLOCK}.pin_memory", f"{e}; or set pin_memory to false (slower copies)") from e
         if not pin_memory and acc.device_name() != "cpu":
             logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
                            "fraction of the link speed, and the step will be slower")
-        self.nbytes_by_dtype = nbytes
 
     def region(self, sub_group: int, dtype: torch.dtype) -> torch.Tensor:
         start, numel = self.regions[sub_group][dtype]

@@ -104,6 +104,7 @@ class ResidencyTable:
         self.slot_free: List[object] = [None, None]  # per slot: what a load into it waits for
         self.last_load = None  # event of the newest H2D
         self.last_write = None  # event of the newest D2H
+        self.early_bytes = 0  # bytes held in buffers of their own (loaded ahead of the step)
 
     def __getitem__(self, i) -> Residency:
         return self.of[i]
@@ -129,6 +130,7 @@ class ResidencyTable:
         r.move(Phase.LOADING)
         if slot is None:
             bufs, ready = self.copies.alloc(self.store.region_numel(i))
+            self.early_bytes += self.store_bytes(i)
         else:
             if self.slots is None:
                 self._allocate_slots()
@@ -161,9 +163,9 @@ class ResidencyTable:
         r.written, span = self.copies.d2h(self._regions(i), r.buffers, waits=(r.updated, ))
         r.host_stale = False  # the host store is the newest copy once this lands
         if r.slot is not None:
-            self.slot_free[r.slot] = r.written
+            self.slot_free[r.slot] = r.written  # the slot's next load waits for this copy
+        self._let_go(r)
         self.last_write = r.written
-        r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
         return self.store_bytes(i), span
 
     def release(self, i: int):
@@ -173,6 +175,13 @@ class ResidencyTable:
             raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be released: its device copy is newer "
                                     "than the host store (write it back)")
         r.move(Phase.ON_HOST)
+        self._let_go(r)
+
+    def _let_go(self, r: Residency):
+        """Drop ``r``'s device buffers (buffers of its own go back to the allocator, which holds the
+        blocks until their copies end)."""
+        if r.slot is None and r.buffers is not None:
+            self.early_bytes -= self.store_bytes(r.sub_group)
         r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
 
     def release_loaded(self) -> List[int]:
@@ -210,9 +219,6 @@ class ResidencyTable:
 
     def store_bytes(self, i: int) -> int:
         return sum(self.store.region(i, dt).nbytes for dt in self.store.region_numel(i))
-
-    def early_bytes(self) -> int:
-        return sum(self.store_bytes(i) for i, r in self.of.items() if r.on_device and r.slot is None)
 
     def phases(self, ids: Iterable[int] = None) -> Dict[int, Phase]:
         return {i: self.of[i].phase for i in (ids if ids is not None else self.of)}

@@ -13,8 +13,8 @@ instance and leave everything in between to DeepSpeed, so the update is DeepSpee
 One iteration with ``overlap`` on (the default)::
 
     last backward:  as gradients are reduced (and backward frees activations), the first offloaded
-                    sub-groups start loading into buffers of their own, in step order, while the
-                    device memory stays under the limit (``prefetch_for_step``)
+                    sub-groups start loading into buffers of their own, in step order, as far as
+                    ``LoadTiming`` allows without raising the iteration's peak (``_load_early``)
     step:           sub-groups loaded early are updated in place and written back at once on the
                     D2H stream; the others stream through two staging slots:
         h2d stream:      load next -> slot B     (after slot B's previous write-back)
@@ -23,9 +23,9 @@ One iteration with ``overlap`` on (the default)::
     step's end:     the CPU waits for the last write-back (``_end_step``): between steps the device
                     holds none of the state, whatever else synchronizes or not.
 
-Write-backs are not carried into the next forward. That was built and measured (2026-11-30, H200,
-docs/benchmarks.md): the forward's activations grow faster than PCIe drains the state, so the
-forward had to wait for the write-backs to keep the peak, and the iteration got no faster.
+Write-backs are not carried into the next forward: its activations need that memory sooner than
+PCIe drains the state (docs/benchmarks.md). When each sub-group loads is ``LoadTiming``'s decision
+(``load_timing.py``): early loads begin once it has measured one iteration without them.
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups
 into the two slots. The DeepSpeed tensor objects never change: ``fp32_partitioned_groups_flat[i]``
@@ -46,11 +46,14 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist
 
-from ..config import OffloadConfig, format_bytes
+from ..config import OffloadConfig
+from ..handle import HANDLE_ATTR
+from ..host_memory import format_bytes
 from .checkpoint import AsyncCheckpointer
 from .copies import make_copies
 from .host_store import MASTER, HostStore
-from .layout import compute_layout, probe_state_layout  # noqa: F401 (probe_state_layout: re-exported)
+from .layout import compute_layout
+from .load_timing import LoadTiming
 from .patches import PatchRegistry
 from .residency import Phase, ResidencyTable
 
@@ -60,9 +63,6 @@ DERIVED_BUDGET_SPARE = 0.5
 READERS = ("state_dict", "_get_fp32_opt_state_partition")
 # ... and that write it: they also wait for a checkpoint write and drop what was loaded early.
 WRITERS = ("_restore_from_bit16_weights", "_restore_from_fp32_weights", "set_full_hp_param", "set_local_hp_param")
-# Early loads that did not fit ask the device's memory again after this long (seconds): the query
-# (the allocator's statistics) costs tens of microseconds of the CPU that drives backward.
-EARLY_POLL_S = 0.002
 # The optimizer method the gradient hooks call as backward produces each gradient (and frees memory).
 GRADIENT_HOOK = "reduce_ready_partitions_and_remove_grads"
 
@@ -95,12 +95,14 @@ class StepStats:
 
 
 class StreamMode:
-    """Attached to one engine: owns the host store, the residency table and the hooks."""
+    """Attached to one engine: owns the host store, the residency table and the hooks.
 
-    OVERLAP_IN_BACKWARD = True  # early loads from the gradient hook (compile mode: its graphs do it)
-    DEFER_WRITE_BACK = False  # True: a sub-group updated in its own buffers stays until offload_for_forward
+    ``early_in_backward``: sub-groups may load during backward as ``timing`` allows (compile mode:
+    False, the reloads its graphs place do that); ``defer_write_back``: a sub-group updated in
+    buffers of its own stays there until ``offload_for_forward`` (compile mode's next forward head)."""
 
-    def __init__(self, engine, cfg: OffloadConfig):
+    def __init__(self, engine, cfg: OffloadConfig, early_in_backward: bool = True, defer_write_back: bool = False):
+        started = time.perf_counter()
         self.engine = engine
         self.opt = engine.optimizer
         self.base = self.opt.optimizer
@@ -111,17 +113,15 @@ class StreamMode:
         self.order: List[int] = self.layout.order
         self.resident: List[int] = self.layout.resident
         self.slot_bytes = self.layout.slot_bytes
-        self.store = HostStore(self.layout.entries, cfg.pin_memory)
+        self.store = HostStore(self.layout.entries, cfg.pin_memory, budget_gb=cfg.memory_budget_gb)
         self.table = ResidencyTable(self.store, self.copies, self.layout.slot_numel)
-        self.overlap = cfg.overlap and self.OVERLAP_IN_BACKWARD
-        # overlap_memory_gb in bytes: what the early loads may hold together (None: derived limit)
-        self.early_cap = None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30)
-        self._early_window = False  # the boundary micro-batch's backward is running: early loads allowed
+        self.timing = LoadTiming(self.acc, self.copies.synchronous, self.slot_bytes,
+                                 early_in_backward=cfg.overlap and early_in_backward, prefetch=cfg.prefetch,
+                                 early_cap=None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30))
+        self.defer_write_back = defer_write_back
+        self._next_early = 0  # position in self.order of the next sub-group to load early
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
-        self._next_poll = 0.0  # when the gradient hook may query device memory again
-        self._peak_seen = 0  # the device's peak, sampled at the first iteration's phase boundaries
-        self._peak_ref: Optional[int] = None  # the first iteration's peak, frozen: what later ones stay under
         self._update_start = None
         self._in_step = False
         self.steps = 0
@@ -132,22 +132,22 @@ class StreamMode:
         # Move what exists now (masters; states too if the optimizer already stepped or loaded).
         self._all_to_host()
         self.acc.empty_cache()
-        if not self.copies.synchronous:
-            # The derived early-load limit is the peak seen since attach: DeepSpeed's init peaked with
-            # the whole fp32 state on the device, which would let early loads climb back up to it.
-            self.acc.reset_peak_memory_stats()
         self.patches = PatchRegistry()
         self._install_hooks()
         # The checkpointer's engine hooks are in a registry of its own: close() takes them off.
         self.checkpointer = AsyncCheckpointer(engine, self.store.buffers.values()) if cfg.async_checkpoint else None
-        pinned = ", ".join(f"{dt}: {format_bytes(b)}" for dt, b in self.store.nbytes_by_dtype.items())
+        self.attach_s = time.perf_counter() - started
         n = len(self.opt.fp32_partitioned_groups_flat)
         # INFO, like DeepSpeed's own attach lines: shown once the user sets DeepSpeed's logger to info.
         log_dist(f"[deepspeed-offload] stream mode: {len(self.order)} of {n} sub-groups offloaded "
                  f"({len(self.resident)} resident within the budget), "
-                 f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, host store {pinned} "
-                 f"(pinned={cfg.pin_memory}), 2 staging slots of {format_bytes(self.slot_bytes)}, "
-                 f"overlap={'on' if self.overlap else 'off'}", ranks=[0])
+                 f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, host store "
+                 f"{self.store.pinning.describe()}, 2 staging slots of {format_bytes(self.slot_bytes)}, "
+                 f"overlap={'on' if self.overlap else 'off'}; attached in {self.attach_s:.1f} s", ranks=[0])
+
+    @property
+    def overlap(self) -> bool:
+        return self.timing.early_in_backward
 
     def _resident_budget_bytes(self) -> int:
         if self.cfg.memory_budget_gb is not None:
@@ -167,8 +167,7 @@ class StreamMode:
         for name in WRITERS:
             patch(opt, name, lambda orig: self._around(orig, writes=True))
         patch(opt, "load_state_dict", lambda orig: self._around(orig, writes=True, after=self._after_load))
-        patch(opt, "step", lambda orig: self._around(orig, drain=False, on_error=self._abort_step,
-                                                     after=self._after_step))
+        patch(opt, "step", lambda orig: self._wrap_step(orig))
         patch(engine, "_backward_prologue", lambda orig: self._wrap_backward_prologue(orig))
         if self.overlap:
             patch(opt, GRADIENT_HOOK, lambda orig: self._wrap_gradient_hook(orig))
@@ -191,7 +190,6 @@ class StreamMode:
                 if t is not None:
                     t.data = self.store.view(i, key).to(device, copy=True)
         self.patches.remove_all()
-        from ..api import HANDLE_ATTR
         if getattr(self.engine, HANDLE_ATTR, None) is self:
             delattr(self.engine, HANDLE_ATTR)
 
@@ -217,13 +215,9 @@ class StreamMode:
 
         def backward_prologue(*args, **kwargs):
             # Both engine.backward(loss) and a plain loss.backward() come through here, once.
-            boundary = self.engine.is_gradient_accumulation_boundary()
-            self._early_window = self.overlap and boundary
-            self._next_poll = 0.0
-            if boundary:
-                self._sample_peak()  # the forward's
-            if boundary and not self.overlap and self.cfg.prefetch:
-                self.prefetch_for_step()
+            self._next_early = 0
+            if self.timing.backward_begins(self.engine.is_gradient_accumulation_boundary()) and not self._in_step:
+                self._prefetch_into_slots()
             return orig(*args, **kwargs)
 
         return backward_prologue
@@ -232,26 +226,38 @@ class StreamMode:
 
         def gradient_ready(param):
             result = orig(param)
-            if self._early_window and time.perf_counter() >= self._next_poll:
-                self.prefetch_for_step()
+            allowance = self.timing.gradient_ready()
+            if allowance is not None and self._next_early < len(self.order) and not self._in_step:
+                self._load_early(allowance)
             return result
 
         return gradient_ready
 
-    def _around(self, fn, drain=True, writes=False, after=None, on_error=None):
+    def _wrap_step(self, orig):
+
+        def step(*args, **kwargs):
+            steps = self.steps
+            try:
+                result = orig(*args, **kwargs)
+            except BaseException:
+                self._abort_step()
+                raise
+            if self.steps == steps:
+                self._step_skipped()
+            return result
+
+        return step
+
+    def _around(self, fn, writes=False, after=None):
+        """``fn`` reads (or ``writes``) host state on the CPU: every write-back lands first."""
 
         def wrapper(*args, **kwargs):
-            if drain and not self._in_step:
+            if not self._in_step:
                 self.synchronize_for_checkpoint()
                 if writes:
                     self._guard()
                     self.table.release_loaded()  # loaded early: the old values
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException:
-                if on_error is not None:
-                    on_error()
-                raise
+            result = fn(*args, **kwargs)
             if after is not None:
                 after()
             return result
@@ -269,67 +275,23 @@ class StreamMode:
 
     # ------------------------------------------------------------------ backward: loads ahead of the step
 
-    def prefetch_for_step(self):
-        """Start loading what the next step needs while backward still runs. With ``overlap``: the
-        next offloaded sub-groups in step order, into buffers of their own, while they fit under
-        ``_early_limit()`` (the gradient hook calls this again as backward frees memory). Without:
-        the first two into the two staging slots, if the peak so far plus both slots fits in 90% of
-        the device."""
-        if self._in_step or not self.order:
-            return
-        if self.overlap:
-            limit, cap = self._early_limit(), self.early_cap
-            held = self.table.early_bytes() if cap is not None else 0
-            allocated = self.acc.memory_allocated() if limit is not None else 0  # one query per call
-            for i in self.order:
-                r = self.table[i]
-                if r.on_device:
-                    continue  # loaded already
-                nbytes = self.layout.nbytes[i]
-                if cap is not None and held + nbytes > cap:
-                    self._early_window = False  # the cap is fixed: nothing more will fit this step
-                    return
-                if limit is not None and allocated + nbytes > limit:
-                    # Try again when backward has freed more; not at every gradient (the query's cost).
-                    self._next_poll = time.perf_counter() + EARLY_POLL_S
-                    return
+    def _load_early(self, allowance: float):
+        """Load the next offloaded sub-groups, in step order, into buffers of their own while the
+        bytes held that way stay within ``allowance`` (``LoadTiming.gradient_ready``)."""
+        while self._next_early < len(self.order):
+            i = self.order[self._next_early]
+            if not self.table[i].on_device:
+                if self.table.early_bytes + self.layout.nbytes[i] > allowance:
+                    return  # asked again at the next gradient hook, when backward has freed more
                 self._load(i, slot=None, early=True)
-                held += nbytes
-                allocated += nbytes  # what the buffers just took from the allocator
-            self._early_window = False  # everything is loaded
-            return
-        if not self.copies.synchronous and \
-                self.acc.max_memory_allocated() + 2 * self.slot_bytes > 0.9 * self.acc.total_memory():
-            return  # the peak seen so far plus both slots would not fit: load at the step instead
-        for k, i in enumerate(self._prefetch_order()[:2]):
+            self._next_early += 1
+
+    def _prefetch_into_slots(self):
+        """When backward begins, without early loads: the step's first two streamed sub-groups into
+        the two staging slots (``prefetch``)."""
+        for k, i in enumerate(self.timing.prefetch_order(self._stream_order())):
             if not self.table[i].on_device:
                 self._load(i, slot=k, early=True)
-
-    def _early_limit(self) -> Optional[int]:
-        """With ``overlap_memory_gb`` unset, early loads keep the device's allocated memory under
-        the peak less what the rest of backward and the step still allocate on top: the two slots,
-        the step's fp32 gradient of the largest sub-group with the flattened 16-bit gradient it is
-        built from (1.5x), and at the first step the moments the optimizer creates for it (2x). So
-        the iteration's peak does not rise. The peak: during the first iteration the device's, since
-        attach (reset once there); from the first step's end on, that iteration's, frozen
-        (``_peak_ref``), so that neither the early loads themselves nor a reset of the device's peak
-        statistics by other code moves it. None (no limit) on the CPU accelerator."""
-        if self.early_cap is not None or self.copies.synchronous:
-            return None
-        grad = self.layout.grad_bytes
-        reserve = 2 * self.slot_bytes + grad * 3 // 2 + (2 * grad if self.steps == 0 else 0)
-        if self._peak_ref is None:
-            self._sample_peak()  # backward's, as it goes
-        peak = self._peak_seen if self._peak_ref is None else self._peak_ref
-        return peak - reserve
-
-    def _sample_peak(self):
-        """During the first iteration, at each phase boundary (the backward's start, the step's start
-        and end; backward's own polls sample it too, in ``_early_limit``): the device's peak since
-        the last reset, whoever reset it (a benchmark between backward and step, say), so the frozen
-        reference covers forward, backward and step."""
-        if self._peak_ref is None and not self.copies.synchronous:
-            self._peak_seen = max(self._peak_seen, self.acc.max_memory_allocated())
 
     def _load(self, i, slot, early):
         if self.stats is None:
@@ -348,26 +310,19 @@ class StreamMode:
         """The sub-groups the step streams through the slots: all but those in buffers of their own."""
         return [i for i in self.order if not (self.table[i].on_device and self.table[i].slot is None)]
 
-    def _prefetch_order(self) -> List[int]:
-        """What ``prefetch`` loads into the two slots during backward: the first two the step will stream."""
-        return self._stream_order()
-
     def _begin_step(self):
         # (A sub-group still UPDATED in buffers of its own, compile mode's kept ones, or any whose
         # offload_launch did not run, is updated again where it is: ``ResidencyTable.arrive``.)
-        self._sample_peak()  # backward's
         self._in_step = True  # from here on, a failure is undone by _abort_step
+        self.timing.step_begins()
         if self.stats is None:
             self.stats = StepStats(self.copies)
-        self._before_streaming()
+        for i in self.timing.load_at_step_start(lambda i: self.table[i].on_device):
+            self._load(i, slot=None, early=False)
         self._streamed = self._stream_order()
         self._position = {i: k for k, i in enumerate(self._streamed)}
         for k, i in enumerate(self._streamed[:2]):  # both slots are free: fill them now
             self._load_into_slot(k)
-
-    def _before_streaming(self):
-        """At the step's start, before it decides what streams: loads the step must find in buffers
-        of their own (compile mode's kept sub-groups). Nothing in stream mode."""
 
     def _load_into_slot(self, k):
         """Load the ``k``-th streamed sub-group into slot ``k % 2`` unless it is there already."""
@@ -417,7 +372,7 @@ class StreamMode:
         if self.stats.sub_groups == 0:
             self._guard()  # the first write to the host store in this step
         self.stats.sub_groups += 1
-        if not (self.DEFER_WRITE_BACK and self.table[i].slot is None):
+        if not (self.defer_write_back and self.table[i].slot is None):
             self._write_back(i, self.stats)
         if i == self.order[-1]:
             self._end_step()
@@ -432,26 +387,20 @@ class StreamMode:
 
     def _end_step(self):
         self.table.free_slots()  # back to the allocator; record_stream holds the blocks until the copies end
-        if not self.DEFER_WRITE_BACK:
+        if not self.defer_write_back:
             self.table.drain()  # the step returns with every write-back landed: nothing held after it
         self._in_step = False
-        self._sample_peak()  # the step's (first iteration only)
-        if self._peak_ref is None and not self.copies.synchronous:
-            # Frozen from here on: the early loads count in later peaks, and must not raise the limits
-            # derived from them.
-            self._peak_ref = self._peak_seen
+        self.timing.step_ends()
         self.steps += 1
         self.last_stats, self.stats = self.stats, None
 
     # ------------------------------------------------------------------ a step that did not run
 
-    def _after_step(self):
+    def _step_skipped(self):
         """A step DeepSpeed skipped (fp16 overflow, a non-finite gradient norm) never asked for what
         backward loaded: give those buffers back (the host copy is still the current one) and drop
         the stats of what it loaded, so they do not count in the next step."""
-        if self._in_step:
-            return
-        self._early_window = False
+        self.timing.step_skipped()
         if self.stats is not None or self.table.slots is not None:
             self.released_unused += len(self.table.release_loaded())
             self.table.free_slots()
@@ -460,6 +409,7 @@ class StreamMode:
     def _abort_step(self):
         """A step that raised: point every tensor back at the host store and drop the slots, so the
         next step (or a checkpoint) starts from a consistent place."""
+        self.timing.step_skipped()
         if not self._in_step:
             return
         for i in self.table.in_phase(Phase.ON_DEVICE):
@@ -476,7 +426,7 @@ class StreamMode:
     # ------------------------------------------------------------------ between steps
 
     def offload_for_forward(self, sub_groups=None) -> int:
-        """Write back what the last step left updated in buffers of its own (``DEFER_WRITE_BACK``;
+        """Write back what the last step left updated in buffers of its own (``defer_write_back``;
         compile mode calls this per sub-group at the next forward's head). Returns the bytes."""
         todo = self.table.in_phase(Phase.UPDATED) if sub_groups is None else \
             [i for i in sub_groups if self.table[i].phase is Phase.UPDATED]

@@ -154,7 +154,8 @@ class CompileOps:
 
     def call(self, name, anchor, sub_group=None):
         fn = getattr(torch.ops.ds_offload, name)
-        return fn(anchor) if sub_group is None else fn(anchor, sub_group)
+        key = self.mode.ops_key  # the engine the graph was compiled for
+        return fn(anchor, key) if sub_group is None else fn(anchor, key, sub_group)
 
     def forward_head(self, anchor):
         for i in self.mode.priority:
@@ -272,7 +273,7 @@ def train_with(spec):
         # overlap_memory_gb of exactly the first offloaded sub-group: it loads in backward, the
         # rest stream through the slots in the step, whatever the model's sizes on this machine
         handle = deepspeed_offload.get_handle(engine)
-        handle.early_cap = handle.layout.nbytes[handle.order[0]]
+        handle.timing.early_cap = handle.layout.nbytes[handle.order[0]]
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
 
     device = get_accelerator().current_device_name()

@@ -56,10 +56,11 @@ def test_estimate_uses_the_config_budget_and_splits_ranks(capsys, tmp_path):
     assert est["host_pinned_per_node"] == 4 * est["gpu_freed_per_rank"]
 
 
-def test_estimate_warns_when_host_memory_is_short(capsys, monkeypatch):
-    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 2**30)
+def test_estimate_warns_when_host_memory_is_short(capsys, fake_host):
+    fake_host(total=16 * 2**30, available=4 * 2**30)  # 2 GiB usable, 11.2 GiB of state
     assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50"]) == 0
-    assert "warning:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning (this host):" in err and "need 11.18 GiB" in err and "can give 2.00 GiB" in err
 
 
 def test_estimate_needs_a_bandwidth_without_gpu(capsys, monkeypatch):

@@ -40,9 +40,13 @@ class Recorder:
 @pytest.fixture
 def recorder():
     rec = Recorder()
-    ops.bind(rec)
+    rec.key = ops.bind(rec)
+    _BOUND["key"] = rec.key
     yield rec
-    ops.unbind(rec)
+    ops.unbind(rec.key)
+
+
+_BOUND = {"key": None}  # the key the recorder's graphs name
 
 
 def test_registration_is_idempotent_side_effectful_and_ordered():
@@ -62,12 +66,26 @@ def test_registration_is_idempotent_side_effectful_and_ordered():
 
 def test_meta_kernels():
     x = torch.empty(4, device="meta")
-    assert ops.op("reload")(x, 3) is None and ops.op("empty_cache")(x) is None  # no runtime needed on meta
+    assert ops.op("reload")(x, 0, 3) is None and ops.op("empty_cache")(x, 0) is None  # no runtime needed on meta
 
 
 def test_unbound_ops_fail_clearly():
-    with pytest.raises(RuntimeError, match="no deepspeed-offload compile mode attached"):
-        ops.op("empty_cache")(torch.zeros(1))
+    with pytest.raises(RuntimeError, match="has no deepspeed-offload compile mode attached"):
+        ops.op("empty_cache")(torch.zeros(1), 10**6)
+
+
+def test_two_engines_keep_their_own_runtime():
+    """Two compile-mode engines in one process: each graph's ops reach the runtime of its own engine."""
+    first, second = Recorder(), Recorder()
+    a, b = ops.bind(first), ops.bind(second)
+    try:
+        ops.op("reload")(torch.zeros(1), a, 1)
+        ops.op("reload")(torch.zeros(1), b, 2)
+        ops.op("copy_stream_sync")(torch.zeros(1), b)
+    finally:
+        ops.unbind(a)
+        ops.unbind(b)
+    assert a != b and first.calls == [("reload", 1)] and second.calls == [("reload", 2), ("copy_stream_sync", None)]
 
 
 OP = {name: ops.op(name) for name in NAMES}  # what the graphs hold: resolved OpOverloads
@@ -75,13 +93,14 @@ T = [0, 1, 2]  # the sub-groups the ops name
 
 
 def _program(x):
-    OP["offload_launch"](x, T[0])
-    OP["empty_cache"](x)
+    k = _BOUND["key"]
+    OP["offload_launch"](x, k, T[0])
+    OP["empty_cache"](x, k)
     y = torch.sin(x) * 2
-    OP["reload"](x, T[1])
+    OP["reload"](x, k, T[1])
     z = y.cos().sum()
-    OP["reload"](x, T[2])
-    OP["copy_stream_sync"](x)
+    OP["reload"](x, k, T[2])
+    OP["copy_stream_sync"](x, k)
     return z + 1
 
 
@@ -197,6 +216,7 @@ class FakeMode:
         self.budget = budget
         self.phases = 0
         self.kept = None  # what the pass decided to keep on the device between steps
+        self.ops_key = 0  # the key its graphs' ops name
 
     def keep(self, sub_groups, only_fewer=False):
         self.kept = [i for i in sub_groups if not only_fewer or i in self.kept]
@@ -230,7 +250,7 @@ def _targets(gm):
         if n.op == "call_function":
             if n.target.name().startswith("ds_offload::"):
                 name = n.target.name().split("::")[1]
-                out.append((name, n.args[1] if len(n.args) > 1 else None))
+                out.append((name, n.args[2] if len(n.args) > 2 else None))
             else:
                 out.append(n.name)
     return out
@@ -375,6 +395,7 @@ def test_pass_on_real_aot_graphs_compiled_by_inductor(recorder):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     mode = FakeMode(budget=85)
+    mode.ops_key = recorder.key
     the_pass = schedule.OffloadPass(mode)
     profiles = {1: types.SimpleNamespace(fwd_mem=[], bwd_mem=[])}
     placed = {}

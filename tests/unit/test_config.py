@@ -96,11 +96,13 @@ def test_compile_on_old_torch(monkeypatch):
     assert err.value.path == "optimizer_state_offload.mode"
 
 
-def test_host_memory_too_small(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cfgmod, "host_memory_available", lambda: 8 * 2**30)
+def test_host_memory_too_small(tmp_path, capsys, fake_host):
+    fake_host(total=16 * 2**30, available=10 * 2**30)  # 8 GiB usable
     assert check(tmp_path, GOOD, "--params", str(10**9)) == 2  # 12 GB of state on 8 GiB
     err = capsys.readouterr().err
-    assert "11.18 GiB" in err and "8.00 GiB" in err
+    assert "need 11.18 GiB" in err and "can give 8.00 GiB" in err and "memory_budget_gb" in err
+    assert check(tmp_path, GOOD, "--params", str(10**9), "--world-size", "2") == 0  # 5.59 GiB per rank fits
+    assert "host memory 5.59 GiB per rank" in capsys.readouterr().out
 
 
 def test_invalid_json_names_line_and_column(tmp_path, capsys):

@@ -101,15 +101,15 @@ def test_memlock_soft_and_hard_are_kept_apart(monkeypatch):
     assert envinfo.FORMATS["memlock_limit"](envinfo.probe_memlock_limit()) == "soft 64.00 MiB, hard unlimited"
 
 
-def test_pinnable_is_the_smallest_bound(monkeypatch):
-    monkeypatch.setattr(envinfo, "host_memory_available", lambda: 10 * 2**30)
-    monkeypatch.setattr(envinfo, "_cgroup_limit", lambda: "unlimited")
+def test_pinnable_is_the_smallest_bound(monkeypatch, fake_host):
+    fake_host(total=16 * 2**30, available=12 * 2**30)
     monkeypatch.setattr(envinfo.resource, "getrlimit", lambda which: (2**20, resource.RLIM_INFINITY))
     assert envinfo.probe_pinnable_host_memory() == {"bytes": 2**20, "limited_by": "memlock limit (ulimit -l)"}
     monkeypatch.setattr(envinfo.resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
-    assert envinfo.probe_pinnable_host_memory() == {"bytes": 10 * 2**30, "limited_by": "MemAvailable"}
-    monkeypatch.setattr(envinfo, "_cgroup_limit", lambda: 4 * 2**30)
-    assert envinfo.probe_pinnable_host_memory() == {"bytes": 4 * 2**30, "limited_by": "cgroup memory limit"}
+    assert envinfo.probe_pinnable_host_memory() == {"bytes": 10 * 2**30, "limited_by": "usable host memory"}
+    fake_host(total=16 * 2**30, available=12 * 2**30, cgroup_limit=6 * 2**30, cgroup_usage=2**30)
+    assert envinfo.probe_pinnable_host_memory() == {"bytes": 3 * 2**30, "limited_by": "usable host memory"}
+    assert envinfo.probe_cgroup_memory_limit() == {"limit": 6 * 2**30, "usage": 2**30}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks what is reported without a CUDA device")

@@ -173,7 +173,7 @@ def test_release_keeps_the_host_copy_and_drain_waits_for_every_write_back():
     t.arrive(1)
     t.view(1, MASTER).fill_(-1)  # changed on the device, never marked updated: dropped
     assert sorted(t.release_loaded()) == [0, 1]
-    assert t.store.view(1, MASTER).tolist() == [1.0] * 4 and t.early_bytes() == 0
+    assert t.store.view(1, MASTER).tolist() == [1.0] * 4 and t.early_bytes == 0
     for i in (0, 2):
         t.load(i)
         t.arrive(i)
@@ -191,7 +191,7 @@ def test_early_bytes_count_own_buffers_only():
     t.load(0, slot=0)
     t.load(1)
     t.load(2)
-    assert t.early_bytes() == 2 * t.store_bytes(1)
+    assert t.early_bytes == 2 * t.store_bytes(1)
 
 
 class _CpuAccelerator:

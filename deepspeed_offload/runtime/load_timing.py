@@ -1,0 +1,153 @@
+"""When offloaded sub-groups load: one policy object, asked by stream mode and compile mode alike.
+
+Three ways a sub-group reaches the device before DeepSpeed updates it:
+
+- **early**, during the boundary micro-batch's backward, into buffers of its own (stream mode with
+  ``overlap``): as much as fits *without raising the iteration's peak*;
+- **prefetch**, the step's first two streamed sub-groups into the two staging slots when backward
+  begins (``prefetch``, when early loads are off or not yet allowed);
+- **in the step**, through the slots, each load started as the previous sub-group is updated.
+
+Sub-groups compile mode keeps on the device (``kept``) are never prefetched into a slot (they would
+leave with it) and, found on the host when the step begins, load into buffers of their own then.
+
+The peak. Backward's memory is not monotone: gradient checkpointing recomputes a layer's activations
+before its gradients, and the loss's backward comes first; the step adds its slots and fp32
+gradients. So the room for early loads at a point of backward is not "the peak less what is
+allocated now" but "the peak less the most the rest of the iteration will allocate". The policy
+learns both from one iteration that loads nothing early (the second after attach: the first
+creates the optimizer's lazy state): its peak ``peak_off`` (what the iteration reaches with
+``overlap`` off) and, for every gradient hook of its boundary backward, the highest allocation from
+that hook to the step's end (``future[k]``), read from the device's peak statistics, which it resets
+at each hook of that iteration. From then on, at hook ``k`` early loads may hold
+``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
+lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
+(no device memory of its own) there is nothing to measure and no limit.
+"""
+
+import math
+from typing import Iterable, List, Optional
+
+# Prefetch into the slots only if the peak seen so far plus both slots fits in this share of the card.
+PREFETCH_SHARE = 0.9
+# The iteration that is measured: the one that ends with this step (1-based).
+MEASURED_STEP = 2
+
+
+class LoadTiming:
+
+    def __init__(self, acc, synchronous: bool, slot_bytes: int, early_in_backward: bool, prefetch: bool,
+                 early_cap: Optional[int] = None):
+        self.acc = acc
+        self.synchronous = synchronous
+        self.slot_bytes = slot_bytes
+        self.early_in_backward = early_in_backward
+        self.prefetch = prefetch
+        self.early_cap = early_cap  # overlap_memory_gb in bytes; None: derived
+        self.kept = frozenset()  # sub-groups that stay on the device between steps (compile mode)
+        self.steps = 0  # steps that ran to their end
+        self.peak_off: Optional[int] = None  # the measured iteration's peak (no early loads)
+        self.future: List[int] = []  # per hook of its boundary backward: the highest allocation after it
+        self._measuring = False
+        self._intervals: List[int] = []  # the measured iteration's peaks between its hooks
+        self._hook = -1  # gradient hooks seen in this boundary backward
+        self._boundary = False
+
+    # ------------------------------------------------------------------ events
+
+    def backward_begins(self, boundary: bool) -> bool:
+        """A backward starts. Returns whether to prefetch the first two streamed sub-groups into the
+        slots now (``prefetch``, on the boundary micro-batch, when no early loads will come)."""
+        self._boundary = boundary
+        self._hook = -1
+        if not boundary:
+            return False
+        self._interval()  # forward (and the earlier micro-batches)
+        if not self.prefetch or self.allowance() is not None:
+            return False
+        if self.synchronous:
+            return True
+        return self.acc.max_memory_allocated() + 2 * self.slot_bytes <= PREFETCH_SHARE * self.acc.total_memory()
+
+    def gradient_ready(self) -> Optional[int]:
+        """A gradient hook of backward ran (and freed what it frees). Returns the bytes early loads
+        may hold in all from now on, or None when none may load now."""
+        if not self._boundary:
+            return None
+        self._hook += 1
+        self._interval()
+        return self.allowance()
+
+    def step_begins(self):
+        self._boundary = False
+        self._interval()  # the tail of backward
+
+    def step_ends(self):
+        """The step wrote everything back (or left it where it stays): one iteration done."""
+        self.steps += 1
+        if self._measuring:
+            self._interval()
+            self._finish_measurement()
+        elif self.steps == MEASURED_STEP - 1 and self._measurable():
+            self._start_measurement()
+
+    def step_skipped(self):
+        """DeepSpeed skipped the step (overflow, non-finite norm): a measurement of it is void."""
+        if self._measuring:
+            self._start_measurement()  # measure the next iteration instead
+
+    # ------------------------------------------------------------------ decisions
+
+    def allowance(self) -> Optional[int]:
+        """Bytes early loads may hold in all at the current point of backward; None: none now."""
+        if not self.early_in_backward or not self._boundary:
+            return None
+        cap = math.inf if self.early_cap is None else self.early_cap
+        if self.synchronous:
+            return cap
+        if self.early_cap is not None:
+            return cap
+        if not self.future:
+            return None  # not measured yet: this iteration behaves as with overlap off
+        k = min(max(self._hook, 0), len(self.future) - 1)
+        return max(0, self.peak_off - self.future[k])
+
+    def prefetch_order(self, streamed: Iterable[int]) -> List[int]:
+        """What prefetch loads into the two slots: the first two streamed sub-groups that are not kept."""
+        return [i for i in streamed if i not in self.kept][:2]
+
+    def load_at_step_start(self, on_device) -> List[int]:
+        """Kept sub-groups the step finds on the host (a reader of host state wrote them back between
+        backward and the step): into buffers of their own at the step's start, so that they stay."""
+        return [i for i in sorted(self.kept) if not on_device(i)]
+
+    # ------------------------------------------------------------------ measurement
+
+    def _measurable(self) -> bool:
+        return self.early_in_backward and self.early_cap is None and not self.synchronous
+
+    def _start_measurement(self):
+        self._measuring = True
+        self._intervals = []
+        self.acc.reset_peak_memory_stats()
+
+    def _interval(self):
+        """Close the interval since the last one: its peak, then the statistics reset."""
+        if self._measuring:
+            self._intervals.append(self.acc.max_memory_allocated())
+            self.acc.reset_peak_memory_stats()
+
+    def _finish_measurement(self):
+        self._measuring = False
+        hooks = self._hook + 1 if self._hook >= 0 else 0
+        intervals = self._intervals
+        self.peak_off = max(intervals)
+        # intervals: [forward, hook 0], then one after each hook, the tail of backward, the step.
+        # future[k]: the highest allocation after hook k, to the step's end.
+        after = intervals[2:]  # the intervals after hook 0
+        suffix, running = [], 0
+        for peak in reversed(after):
+            running = max(running, peak)
+            suffix.append(running)
+        suffix.reverse()
+        self.future = suffix[:hooks] if hooks else []

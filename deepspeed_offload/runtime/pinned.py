@@ -1,0 +1,209 @@
+"""Host memory for the store at its exact size, page-locked in slabs.
+
+torch's pinned allocator (``torch.empty(..., pin_memory=True)``, DeepSpeed's ``pin_empty``) rounds
+every request up to a power of two: 75.3 GiB asks the host for 128 GiB. The store therefore maps its
+memory itself (an anonymous mapping of the exact size, transparent huge pages asked for) and, on a
+CUDA accelerator, page-locks it with ``cudaHostRegister`` in slabs cut at sub-group region
+boundaries, so that no copy of a sub-group spans two registrations. Worker threads touch each slab
+first (so the kernel zeroes pages on several cores, and, bound to the GPU's NUMA node, places them
+on that node's memory) and register it. A failure half way unregisters what was registered.
+Registration ends when the mapping is freed: the finalizer runs before the memory is unmapped.
+
+Which way memory is locked is decided once, by ``make_pinner``: ``cudaHostRegister`` on CUDA,
+DeepSpeed's ``pin_empty`` (power-of-two sizes) on other accelerators that pin, nothing on the CPU
+accelerator or with ``pin_memory: false``.
+"""
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..host_memory import format_bytes, memlock_hint, node_cpus
+
+# Slabs are cut at region boundaries once they reach this size (a region larger than it is a slab).
+SLAB_BYTES = 1 << 30
+# Threads that touch and register slabs; DS_OFFLOAD_PIN_THREADS overrides it.
+DEFAULT_PIN_THREADS = 8
+# Progress is shown for pinning that takes longer than this (seconds).
+PROGRESS_AFTER_S = 2.0
+
+
+def pin_threads() -> int:
+    env = os.environ.get("DS_OFFLOAD_PIN_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(DEFAULT_PIN_THREADS, os.cpu_count() or 1))
+
+
+def cut_slabs(region_bounds: Sequence[Tuple[int, int]], slab_bytes: Optional[int] = None) -> List[Tuple[int, int]]:
+    """``region_bounds``: (start, end) byte offsets of consecutive regions covering one buffer.
+    Slabs as (start, end): whole regions, joined until a slab reaches ``slab_bytes`` (SLAB_BYTES)."""
+    slab_bytes = slab_bytes or SLAB_BYTES
+    slabs: List[Tuple[int, int]] = []
+    start = None
+    for lo, hi in region_bounds:
+        if start is None:
+            start = lo
+        if hi - start >= slab_bytes:
+            slabs.append((start, hi))
+            start = None
+    if start is not None:
+        slabs.append((start, region_bounds[-1][1]))
+    return slabs
+
+
+class _Mapping(mmap.mmap):
+    """An anonymous mapping; its finalizer (unregistration) runs before the memory is unmapped."""
+
+
+def map_exact(nbytes: int) -> _Mapping:
+    """Anonymous, private memory of ``nbytes`` (rounded up to the page only), huge pages asked for."""
+    mapping = _Mapping(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # transparent huge pages off: 4 KiB pages, slower to lock, same result
+    return mapping
+
+
+def _address(mapping) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+
+class NoPinner:
+    """Pageable memory: the CPU accelerator (device memory is host memory) or ``pin_memory: false``."""
+
+    kind = "pageable"
+
+    def register(self, address: int, nbytes: int):
+        pass
+
+    def unregister(self, address: int):
+        pass
+
+
+class CudaHostRegister:
+    """``cudaHostRegister`` of memory we allocated ourselves: exact sizes, no rounding."""
+
+    kind = "cudaHostRegister"
+
+    def __init__(self):
+        self.cudart = torch.cuda.cudart()
+
+    def register(self, address: int, nbytes: int):
+        err = self.cudart.cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            torch.cuda.synchronize()  # clears nothing, but surfaces a sticky error with its text
+            raise RuntimeError(f"cudaHostRegister of {format_bytes(nbytes)} failed with CUDA error {int(err)}")
+
+    def unregister(self, address: int):
+        self.cudart.cudaHostUnregister(address)
+
+
+def make_pinner(acc, pin_memory: bool):
+    """The one place that decides how the store's memory is locked. None: the accelerator pins in
+    its own way (``pin_empty``, rounded), which ``allocate`` falls back to."""
+    if not pin_memory or acc.device_name() == "cpu":
+        return NoPinner()
+    if acc.device_name() == "cuda":
+        return CudaHostRegister()
+    return None
+
+
+class PinnedStats:
+    """What allocating the store took: bytes, seconds, how it was locked, threads, NUMA node."""
+
+    def __init__(self, kind: str, nbytes: int, seconds: float, threads: int, node: Optional[int]):
+        self.kind, self.nbytes, self.seconds, self.threads, self.node = kind, nbytes, seconds, threads, node
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.nbytes / 2**30 / self.seconds if self.seconds > 0 else float("inf")
+
+    def describe(self) -> str:
+        if self.kind == "pageable":
+            return f"{format_bytes(self.nbytes)} pageable"
+        node = "" if self.node is None else f", NUMA node {self.node}"
+        return (f"{format_bytes(self.nbytes)} pinned ({self.kind}) in {self.seconds:.1f} s, "
+                f"{self.gib_per_s:.1f} GiB/s, {self.threads} thread(s){node}")
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=PROGRESS_AFTER_S,
+                desc="[deepspeed-offload] pinning the host store", file=sys.stderr, leave=False)
+
+
+def allocate(sizes: Dict[torch.dtype, int], bounds: Dict[torch.dtype, List[Tuple[int, int]]], pinner,
+             numa_node: Optional[int] = None, show_progress: bool = False,
+             fallback=None) -> Tuple[Dict[torch.dtype, torch.Tensor], PinnedStats]:
+    """One buffer per dtype of ``sizes[dtype]`` elements, its regions' byte ``bounds`` given, locked
+    by ``pinner`` (``make_pinner``; None: ``fallback(numel, dtype)`` allocates a pinned tensor).
+    Raises RuntimeError (nothing left locked) if locking fails."""
+    t0 = time.perf_counter()
+    nbytes = {dt: n * torch.empty(0, dtype=dt).element_size() for dt, n in sizes.items()}
+    total = sum(nbytes.values())
+    if pinner is None:
+        buffers = {dt: fallback(n, dt) for dt, n in sizes.items()}
+        return buffers, PinnedStats("pin_empty", total, time.perf_counter() - t0, 1, None)
+    mappings = {dt: map_exact(nbytes[dt]) for dt in sizes}
+    work = [(dt, lo, hi) for dt in sizes for lo, hi in cut_slabs(bounds[dt]) if hi > lo]
+    registered: List[int] = []
+    lock = threading.Lock()
+    cpus = node_cpus(numa_node) if numa_node is not None else []
+    bound = threading.local()
+    bar = _progress(total, show_progress)
+
+    def place(task):
+        dt, lo, hi = task
+        if cpus and not getattr(bound, "done", False) and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)  # this thread only: its first touch lands on the GPU's node
+            bound.done = True
+        address = _address(mappings[dt]) + lo
+        ctypes.memset(address, 0, hi - lo)  # releases the GIL: the kernel zeroes pages on this core
+        pinner.register(address, hi - lo)
+        with lock:
+            registered.append(address)
+        if bar is not None:
+            bar.update(hi - lo)
+
+    threads = min(pin_threads(), max(1, len(work)))
+    try:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="deepspeed-offload-pin") as pool:
+            for future in [pool.submit(place, task) for task in work]:
+                future.result()
+    except BaseException as e:
+        for address in registered:
+            pinner.unregister(address)
+        raise RuntimeError(f"locking {format_bytes(total)} of host memory failed ({e}){memlock_hint(total)}") from e
+    finally:
+        if bar is not None:
+            bar.close()
+    buffers = {}
+    for dt, mapping in mappings.items():
+        starts = [_address(mapping) + lo for d, lo, _ in work if d == dt]
+        weakref.finalize(mapping, _unregister_all, pinner, starts)
+        buffers[dt] = torch.frombuffer(mapping, dtype=dt, count=sizes[dt]) if sizes[dt] else torch.empty(0, dtype=dt)
+    return buffers, PinnedStats(pinner.kind, total, time.perf_counter() - t0, threads, numa_node)
+
+
+def _unregister_all(pinner, addresses):
+    for address in addresses:
+        try:
+            pinner.unregister(address)
+        except Exception:  # noqa: B902 - at interpreter exit CUDA may be gone; the process frees it all
+            pass

@@ -1,0 +1,182 @@
+"""Host memory planned before anything is pinned (host_memory.py), and a store allocated at its exact
+size and locked in slabs (runtime/pinned.py): read from faked /proc/meminfo and cgroup files."""
+
+import mmap
+
+import pytest
+import torch
+
+from conftest import GiB, write_host
+from deepspeed_offload import ConfigError, host_memory
+from deepspeed_offload.estimate import host_plan
+from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
+from deepspeed_offload.runtime import pinned
+from deepspeed_offload.runtime.host_store import MASTER, HostStore
+
+STATE_7B = 80_860_987_392  # 6,738,415,616 parameters x 12 bytes: 75.31 GiB
+H200_HOST = dict(total=125 * GiB, available=122 * GiB)  # the GPU machine's host
+
+
+def power_of_two(n):
+    return 1 << (n - 1).bit_length()
+
+
+def test_meminfo_and_cgroup_v2(tmp_path):
+    root = write_host(tmp_path, total=64 * GiB, available=40 * GiB, cgroup_limit=32 * GiB, cgroup_usage=4 * GiB)
+    mem = HostMemory.read(str(root))
+    assert (mem.total, mem.available, mem.cgroup_limit, mem.cgroup_usage) == (64 * GiB, 40 * GiB, 32 * GiB, 4 * GiB)
+    assert mem.free == 28 * GiB  # the cgroup allows less than MemAvailable
+    assert mem.usable == mem.free - max(2 * GiB, int(0.05 * 64 * GiB))
+
+
+def test_cgroup_v1_and_no_limit(tmp_path):
+    v1 = HostMemory.read(str(write_host(tmp_path / "a", 64 * GiB, 40 * GiB, cgroup_limit=8 * GiB, cgroup_version=1)))
+    assert v1.cgroup_limit == 8 * GiB and v1.free == 8 * GiB
+    unlimited = HostMemory.read(str(write_host(tmp_path / "b", 64 * GiB, 40 * GiB, cgroup_version=1)))
+    assert unlimited.cgroup_limit is None and unlimited.free == 40 * GiB
+    v2 = HostMemory.read(str(write_host(tmp_path / "c", 64 * GiB, 40 * GiB)))  # memory.max: "max"
+    assert v2.cgroup_limit is None and v2.free == 40 * GiB
+
+
+def test_the_7b_store_fits_at_its_exact_size_and_not_rounded(tmp_path):
+    """75.3 GiB fits a 125 GiB host; torch's pinned allocator would ask for 128 GiB, which does not."""
+    mem = HostMemory.read(str(write_host(tmp_path, **H200_HOST)))
+    check_host_plan(HostPlan(STATE_7B), mem)
+    assert power_of_two(STATE_7B) == 128 * GiB
+    with pytest.raises(ConfigError, match=r"need 128\.00 GiB .* can give 115\.75 GiB"):
+        check_host_plan(HostPlan(power_of_two(STATE_7B)), mem)
+
+
+def test_a_plan_that_does_not_fit_names_numbers_and_ways_out(tmp_path):
+    mem = HostMemory.read(str(write_host(tmp_path, total=256 * GiB, available=200 * GiB, cgroup_limit=150 * GiB)))
+    plan = host_plan(params=6_738_415_616, world=8, ranks_per_node=8, budget_gb=0,
+                     ds_config={"zero_optimization": {"offload_param": {"device": "cpu"}}})
+    assert plan.store_per_rank == STATE_7B // 8 and plan.deepspeed_pinned == 6_738_415_616 * 2
+    check_host_plan(plan, mem)  # 75.3 GiB of stores and 12.6 GiB of parameters in 137.2 usable
+    plan16 = host_plan(params=4 * 6_738_415_616, world=8, ranks_per_node=8, budget_gb=1.0)
+    with pytest.raises(ConfigError) as err:
+        check_host_plan(plan16, mem)
+    text = str(err.value)
+    assert "8 rank(s) on this node need 293.23 GiB" in text and "cgroup limit 150.00 GiB" in text
+    assert "memory_budget_gb: " in text and "more nodes" in text and "fewer ranks per node" in text
+    short = plan16.needed - mem.usable
+    budget = float(text.split("memory_budget_gb: ")[1].split(")")[0])  # what it says to set
+    assert 1.0 + short / 8 / GiB <= budget < 1.0 + short / 8 / GiB + 0.01
+    # with that budget, the same job fits
+    check_host_plan(host_plan(params=4 * 6_738_415_616, world=8, ranks_per_node=8, budget_gb=budget), mem)
+
+
+def test_budget_and_world_size_shrink_the_store():
+    assert host_plan(1_000_000, 1).store_per_rank == 12_000_000
+    assert host_plan(1_000_000, 4).store_per_rank == 3_000_000
+    assert host_plan(10 * GiB // 12, 1, budget_gb=4).store_per_rank == 10 * GiB // 12 * 12 - 4 * GiB
+    assert host_plan(1_000_000, 1, budget_gb=1).store_per_rank == 0
+
+
+def test_memlock_hint_only_below_the_request(monkeypatch):
+    monkeypatch.setattr(host_memory, "memlock_limit", lambda: 64 * 2**20)
+    assert "ulimit -l" in host_memory.memlock_hint(GiB)
+    assert host_memory.memlock_hint(2**20) == ""
+    monkeypatch.setattr(host_memory, "memlock_limit", lambda: None)
+    assert host_memory.memlock_hint(10**15) == ""
+
+
+def test_numa_node_of_a_pci_device_and_node_cpus(tmp_path):
+    dev = tmp_path / "sys/bus/pci/devices/0000:1b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    for node, cpus in ((0, "0-7,16-23"), (1, "8-15,24-31")):
+        (tmp_path / f"sys/devices/system/node/node{node}").mkdir(parents=True)
+        (tmp_path / f"sys/devices/system/node/node{node}/cpulist").write_text(cpus + "\n")
+    assert host_memory.numa_nodes(str(tmp_path)) == [0, 1]
+    assert host_memory.pci_numa_node("0000:1B:00.0", str(tmp_path)) == 1
+    assert host_memory.node_cpus(1, str(tmp_path)) == list(range(8, 16)) + list(range(24, 32))
+    (dev / "numa_node").write_text("-1\n")  # a one-node host's answer
+    assert host_memory.pci_numa_node("0000:1b:00.0", str(tmp_path)) is None
+
+
+# ---------------------------------------------------------------------------------------------- slabs
+
+
+def test_slabs_are_cut_at_region_boundaries():
+    regions = [(0, 600), (600, 900), (900, 2000), (2000, 2100), (2100, 2150)]
+    slabs = pinned.cut_slabs(regions, slab_bytes=1000)
+    assert slabs == [(0, 2000), (2000, 2150)]
+    starts = {lo for lo, _ in regions} | {regions[-1][1]}
+    assert all(lo in starts and hi in starts for lo, hi in slabs)  # no copy of a region spans two slabs
+    assert pinned.cut_slabs([(0, 5000)], slab_bytes=1000) == [(0, 5000)]  # a region larger than a slab: one slab
+
+
+class RecordingPinner:
+    kind = "fake"
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+        self.registered, self.unregistered = [], []
+
+    def register(self, address, nbytes):
+        if len(self.registered) == self.fail_at:
+            raise RuntimeError("CUDA error: out of memory")
+        self.registered.append((address, nbytes))
+
+    def unregister(self, address):
+        self.unregistered.append(address)
+
+
+def test_allocate_locks_exact_sizes_in_slabs_and_unlocks_when_freed(monkeypatch):
+    monkeypatch.setattr(pinned, "SLAB_BYTES", 4096)
+    pinner = RecordingPinner()
+    sizes = {torch.float32: 3000, torch.bfloat16: 10}
+    bounds = {torch.float32: [(0, 4000), (4000, 8000), (8000, 12000)], torch.bfloat16: [(0, 20)]}
+    buffers, stats = pinned.allocate(sizes, bounds, pinner)
+    assert buffers[torch.float32].numel() == 3000 and buffers[torch.bfloat16].numel() == 10
+    assert sorted(n for _, n in pinner.registered) == [20, 4000, 8000]  # whole regions, exact sizes
+    assert stats.nbytes == 12020 and stats.kind == "fake"
+    assert torch.count_nonzero(buffers[torch.float32]) == 0  # touched (zeroed) before locking
+    mapping = buffers[torch.float32].untyped_storage()
+    assert buffers[torch.float32].untyped_storage().nbytes() == 12000  # not a power of two
+    del buffers, mapping
+    import gc
+    gc.collect()
+    assert sorted(pinner.unregistered) == sorted(a for a, _ in pinner.registered)  # unlocked before unmapped
+
+
+def test_a_failure_half_way_unlocks_what_was_locked(monkeypatch):
+    monkeypatch.setattr(pinned, "SLAB_BYTES", 1024)
+    monkeypatch.setenv("DS_OFFLOAD_PIN_THREADS", "1")  # in order: the third slab fails
+    pinner = RecordingPinner(fail_at=2)
+    with pytest.raises(RuntimeError, match="locking .* failed .*out of memory"):
+        pinned.allocate({torch.float32: 1024}, {torch.float32: [(i * 1024, (i + 1) * 1024) for i in range(4)]},
+                        pinner)
+    assert len(pinner.registered) == 2 and sorted(pinner.unregistered) == sorted(a for a, _ in pinner.registered)
+
+
+def test_the_mapping_is_the_exact_size():
+    m = pinned.map_exact(75 * 1000 * 1000 + 3)
+    assert len(m) == 75 * 1000 * 1000 + 3 and isinstance(m, mmap.mmap)
+
+
+def test_host_store_checks_the_node_before_it_pins(fake_host, monkeypatch):
+    fake_host(total=16 * GiB, available=5 * GiB)  # usable: 3 GiB
+    calls = []
+    real = pinned.allocate
+    monkeypatch.setattr(pinned, "allocate", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    with pytest.raises(ConfigError, match=r"need 3\.75 GiB .* can give 3\.00 GiB .*memory_budget_gb: 0\.75"):
+        HostStore({0: [(MASTER, torch.float32, 15 * 2**26)]}, pin_memory=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # every rank of the node pins a store this size
+    HostStore({0: [(MASTER, torch.float32, 3 * 2**27)]}, pin_memory=False)  # 2 x 1.5 GiB: fits
+    with pytest.raises(ConfigError, match=r"2 rank\(s\) on this node need 3\.50 GiB"):
+        HostStore({0: [(MASTER, torch.float32, 7 * 2**26)]}, pin_memory=True)
+    assert calls == [{torch.float32: 3 * 2**27}]  # only the store that fits was allocated, at its exact size
+
+
+def test_host_store_pinning_failure_is_a_clear_error(fake_host, monkeypatch):
+    fake_host()
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: RecordingPinner(fail_at=0))
+    monkeypatch.setattr(host_memory, "memlock_limit", lambda: None)
+    with pytest.raises(ConfigError, match="pin_memory: locking .* failed") as err:
+        HostStore({0: [(MASTER, torch.float32, 10)]}, pin_memory=True)
+    assert "ulimit" not in str(err.value)  # the limit is not the cause here
+    monkeypatch.setattr(host_memory, "memlock_limit", lambda: 8)
+    with pytest.raises(ConfigError, match="ulimit -l"):
+        HostStore({0: [(MASTER, torch.float32, 10)]}, pin_memory=True)
