@@ -71,12 +71,10 @@ failure is raised on every rank (agreed, as above), naming the rank and the file
 A tag without our markers (a plain DeepSpeed save) loads as before. DeepSpeed's loader unpickles
 the files (``weights_only=False``): verification proves a file is the one written, not that its
 writer is trusted (see docs/troubleshooting.md). What this module itself reads it loads as JSON.
-
-``python -m deepspeed_offload.runtime.checkpoint --digest-throughput`` measures the digest's speed
-on this host (the load-time cost of verification is about the checkpoint's size per rank over it).
+``deepspeed-offload digest`` measures the digest's speed on this host (the load-time cost of
+verification is about the checkpoint's size per rank over it).
 """
 
-import argparse
 import atexit
 import copy
 import errno
@@ -942,39 +940,3 @@ def _wait_all_at_exit():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-
-
-# ---------------------------------------------------------------------- digest throughput
-
-
-def digest_throughput(gib: float = 1.0, chunk_mb: int = 8) -> float:
-    """GB/s of the checkpoint digest over ``gib`` GiB held in memory (what the writer and the load-time
-    verification hash per second, on one core)."""
-    data = os.urandom(int(chunk_mb) << 20)
-    rounds = max(1, int(gib * 1024 / chunk_mb))
-    h = hashlib.new(DIGEST)
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        h.update(data)
-    seconds = time.perf_counter() - t0
-    return rounds * len(data) / seconds / 1e9
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m deepspeed_offload.runtime.checkpoint",
-                                     description="Asynchronous checkpoint tools.")
-    parser.add_argument("--digest-throughput", action="store_true",
-                        help=f"measure the {DIGEST} digest's throughput on this host (GB/s)")
-    parser.add_argument("--gib", type=float, default=2.0, help="how much data to hash (default 2 GiB)")
-    args = parser.parse_args(argv)
-    if not args.digest_throughput:
-        parser.print_help()
-        return 2
-    gbps = digest_throughput(args.gib)
-    print(f"{DIGEST}: {gbps:.2f} GB/s on one core ({args.gib:g} GiB hashed): verifying a 10 GB rank's "
-          f"files at load takes about {10 / gbps:.1f} s plus reading them")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -552,12 +552,6 @@ def test_our_own_errors_are_described_as_they_are():
     assert ck.describe_os_error(ValueError("v"), "/d") == "ValueError('v') (/d)"
 
 
-def test_digest_throughput_is_measured(capsys):
-    assert ck.digest_throughput(gib=1 / 64) > 0
-    assert ck.main(["--digest-throughput", "--gib", "0.02"]) == 0
-    assert "GB/s" in capsys.readouterr().out
-
-
 def test_our_code_never_unpickles():
     """Whatever the package itself loads is JSON or torch.load(weights_only=True)."""
     root = Path(deepspeed_offload.__file__).parent
