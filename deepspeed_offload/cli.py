@@ -118,7 +118,7 @@ def cmd_estimate(ns) -> int:
 def digest_throughput(gib: float, chunk_mb: int = 8) -> float:
     """GB/s of the checkpoint digest over ``gib`` GiB held in memory, on one core: what the writer
     hashes per second while it writes, and the load-time verification while it re-reads."""
-    from .runtime.checkpoint import DIGEST
+    from .runtime.checkpoint.files import DIGEST
     data = os.urandom(chunk_mb << 20)
     rounds = max(1, int(gib * 1024 / chunk_mb))
     h = hashlib.new(DIGEST)
@@ -129,7 +129,7 @@ def digest_throughput(gib: float, chunk_mb: int = 8) -> float:
 
 
 def cmd_digest(ns) -> int:
-    from .runtime.checkpoint import DIGEST
+    from .runtime.checkpoint.files import DIGEST
     gbps = digest_throughput(ns.gib)
     print(f"{DIGEST}: {gbps:.2f} GB/s on one core ({ns.gib:g} GiB hashed): verifying a 10 GB rank's "
           f"files at load takes about {10 / gbps:.1f} s plus reading them")
