@@ -6,9 +6,12 @@ numeric argument must be a positive, finite number (argparse exits 2 naming the 
 """
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import sys
+import time
 
 from .config import validate
 from .ds_config import load_ds_config
@@ -117,6 +120,27 @@ def cmd_estimate(ns) -> int:
     return 0
 
 
+def digest_throughput(gib: float, chunk_mb: int = 8) -> float:
+    """GB/s of the checkpoint digest over ``gib`` GiB held in memory, on one core: what the writer
+    hashes per second while it writes, and the load-time verification while it re-reads."""
+    from .runtime.checkpoint.files import DIGEST
+    data = os.urandom(chunk_mb << 20)
+    rounds = max(1, int(gib * 1024 / chunk_mb))
+    h = hashlib.new(DIGEST)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        h.update(data)
+    return rounds * len(data) / (time.perf_counter() - t0) / 1e9
+
+
+def cmd_digest(ns) -> int:
+    from .runtime.checkpoint.files import DIGEST
+    gbps = digest_throughput(ns.gib)
+    print(f"{DIGEST}: {gbps:.2f} GB/s on one core ({ns.gib:g} GiB hashed): verifying a 10 GB rank's "
+          f"files at load takes about {10 / gbps:.1f} s plus reading them")
+    return 0
+
+
 def cmd_bench(ns) -> int:
     from . import bench
     return bench.run(ns, ns.raw_argv) or 0
@@ -158,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="GB/s each way with both directions busy")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
     est.set_defaults(func=cmd_estimate)
+
+    digest = sub.add_parser("digest", help="the checkpoint digest's speed on this host",
+                            description="Measure the sha256 digest that asynchronous checkpoints compute while "
+                            "writing and re-check at load: verifying a rank's files costs about their size over it.")
+    digest.add_argument("--gib", type=positive_float, default=2.0, help="how much data to hash (default 2 GiB)")
+    digest.set_defaults(func=cmd_digest)
 
     from .bench import build_parser as bench_parser
     bench = sub.add_parser("bench", help="side-by-side benchmark against upstream DeepSpeed (needs a GPU)",

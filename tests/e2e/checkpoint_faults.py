@@ -24,6 +24,7 @@ from deepspeed.accelerator import get_accelerator
 
 import deepspeed_offload
 from deepspeed_offload.runtime import checkpoint as ck
+from harness import inject_checkpoint_faults
 from parity_train import DTYPES, Net, ds_config, optimizer_for
 
 
@@ -35,6 +36,7 @@ def build(spec):
                "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed_offload.initialize(model=model, optimizer=optimizer_for(spec, groups),
                                                    config=ds_config(spec))
+    inject_checkpoint_faults(engine, spec)
     return engine
 
 
@@ -141,7 +143,7 @@ def die(spec, engine, gen, out):
     engine.save_checkpoint(d, tag="ok3")
     deepspeed_offload.wait_for_checkpoint(engine)
     train(engine, 2, gen, spec)
-    engine.save_checkpoint(d, tag="slow5")  # DS_OFFLOAD_TEST_WRITE_DELAY makes this write slow
+    engine.save_checkpoint(d, tag="slow5")  # the spec's faults make this write slow
     print(f"rank {engine.global_rank}: save slow5 returned at {time.time():.3f}", flush=True)
     if engine.global_rank == 1:
         os._exit(0)  # gone mid-write, exit status 0: only the heartbeat tells rank 0

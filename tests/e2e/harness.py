@@ -10,6 +10,9 @@ forever (so the tests build into a private extensions dir, see conftest.py, and 
 process group on a timeout), and the CPU accelerator's shm all-reduce leaves a 66 MB file per rank
 in /dev/shm that nobody unlinks (conftest.py removes what a test created). After one launch hung,
 the rest fail at once with its reason instead of each waiting out its own timeout.
+
+Launched scripts call ``inject_checkpoint_faults`` to hand the checkpoint faults their spec asks
+for (a slow write, the guard off) to the engine's checkpointer.
 """
 
 import json
@@ -18,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -104,3 +108,29 @@ def assert_bitwise_equal(a: dict, b: dict, what=("losses", "fp32", "state")):
         for key in a[section]:
             x, y = a[section][key], b[section][key]
             assert torch.equal(x, y), f"{section} {key} differs: max |diff| {(x.float() - y.float()).abs().max()}"
+
+
+def slow_writes(tag: str, seconds: float, guard: bool = True) -> dict:
+    """A spec's ``faults``: each file of a save whose path contains ``tag`` waits ``seconds`` before it
+    is written and again before it is renamed into place (a write slow enough to race with or to
+    kill); ``guard=False`` turns the guard off."""
+    return {"faults": {"delay_tag": tag, "write_delay_s": seconds, "guard": guard}}
+
+
+def inject_checkpoint_faults(engine, spec: dict):
+    """In a launched script: the faults of ``spec["faults"]`` (see slow_writes), given to ``engine``'s
+    asynchronous checkpointer. Nothing without them."""
+    faults = spec.get("faults")
+    if not faults:
+        return
+    import deepspeed_offload
+    from deepspeed_offload.runtime.checkpoint import Faults
+    ckpt = getattr(deepspeed_offload.get_handle(engine), "checkpointer", None)
+    assert ckpt is not None, "checkpoint faults asked for, but the engine has no asynchronous checkpointer"
+    tag, seconds = faults["delay_tag"], faults["write_delay_s"]
+
+    def slow(path):
+        if tag in path:
+            time.sleep(seconds)
+
+    ckpt.faults = Faults(guard=faults.get("guard", True), before_file=slow)

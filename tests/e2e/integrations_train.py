@@ -14,6 +14,7 @@ import sys
 import torch
 
 import deepspeed_offload
+from harness import inject_checkpoint_faults
 
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 
@@ -87,6 +88,10 @@ def run_hf(spec):
 
     class Observe(TrainerCallback):
 
+        def on_train_begin(self, args, state, control, **kw):
+            if spec.get("offload"):  # the engine is built by now: its checkpointer gets the spec's faults
+                inject_checkpoint_faults(trainer.model_wrapped, spec)
+
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in spec.get("params_at", []):  # every rank: the gather is collective
                 seen.setdefault("params_at", {})[state.global_step] = full_params(trainer.model_wrapped)
@@ -111,7 +116,7 @@ def run_accelerate(spec):
         # DeepSpeed only when told so (what `accelerate launch --use_deepspeed` exports).
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(cpu=True)
-    plain, _ = accelerate_loop(dict(spec, save_at=[]), os.path.join(spec["dir"], "plain"))
+    plain, _ = accelerate_loop(dict(spec, save_at=[], faults=None), os.path.join(spec["dir"], "plain"))
     seen = {"plain_params": full_params(plain), "plain_has_offload": deepspeed_offload.get_handle(plain) is not None}
     AcceleratorState._reset_state()  # keeps PartialState: the process group and ranks stay
     GradientState._reset_state()
@@ -134,6 +139,7 @@ def accelerate_loop(spec, project_dir):
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=True,
                                          generator=torch.Generator().manual_seed(3))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    inject_checkpoint_faults(model, spec)
     for step, batch in enumerate(loader):
         if step == spec["max_steps"]:
             break

@@ -28,6 +28,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 import deepspeed_offload
 from deepspeed_offload.runtime.host_store import MASTER
+from harness import inject_checkpoint_faults
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -267,6 +268,7 @@ def train_with(spec):
     optimizer = optimizer_for(spec, groups)
     init = deepspeed_offload.initialize if spec.get("api", "offload") == "offload" else deepspeed.initialize
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+    inject_checkpoint_faults(engine, spec)
     if spec.get("compile"):
         engine.compile()
     if spec.get("early_cap_first"):

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from harness import HERE, assert_bitwise_equal, two_ranks_unavailable
+from harness import HERE, assert_bitwise_equal, slow_writes, two_ranks_unavailable
 from harness import launch as _launch
 
 from deepspeed_offload.runtime import checkpoint as ck
@@ -26,7 +26,7 @@ def launch(*args, **kwargs):
 
 BASE = dict(dtype="bf16", sub_group_size=1, steps=6, two_groups=True)
 ASYNC = {"enabled": True, "mode": "stream", "memory_budget_gb": 0, "async_checkpoint": True}
-SLOW = {"DS_OFFLOAD_TEST_WRITE_DELAY": "1.0", "DS_OFFLOAD_TEST_DELAY_TAG": "slow"}
+SLOW = slow_writes("slow", 1.0)  # spec faults: the saves tagged slow* take seconds to write
 FAULTS = HERE / "checkpoint_faults.py"
 
 
@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
     out = {"tmp": tmp}
     # at step 3: DeepSpeed's synchronous save into s/, then ours into a/, then training goes on
     save = {"at": 3, "tag": "slow3", "dir": str(tmp / "a"), "sync_dir": str(tmp / "s")}
-    out["async"] = launch(dict(BASE, offload=ASYNC, saves=[save]), tmp, "async", env=SLOW)
+    out["async"] = launch(dict(BASE, offload=ASYNC, saves=[save], **SLOW), tmp, "async")
     return out
 
 
@@ -101,7 +101,7 @@ def test_resume_from_async_checkpoint_is_exact(runs):
 def test_without_the_guard_the_race_is_seen(runs):
     tmp = runs["tmp"]
     save = {"at": 3, "tag": "slow3", "dir": str(tmp / "noguard"), "sync_dir": str(tmp / "noguard-sync")}
-    launch(dict(BASE, offload=ASYNC, saves=[save]), tmp, "noguard", env=dict(SLOW, DS_OFFLOAD_TEST_NO_GUARD="1"))
+    launch(dict(BASE, offload=ASYNC, saves=[save], **slow_writes("slow", 1.0, guard=False)), tmp, "noguard")
     assert not optimizer_files_equal(tmp / "noguard", tmp / "noguard-sync", "slow3"), \
         "with the guard off the next steps should have overwritten the state being written"
 
@@ -110,9 +110,8 @@ def test_without_the_guard_the_race_is_seen(runs):
 def test_a_rank_that_dies_fails_the_commit_within_seconds(runs):
     tmp = runs["tmp"]
     d = tmp / "die"
-    env = dict(SLOW, DS_OFFLOAD_HEARTBEAT_TIMEOUT="3")
-    log = launch(dict(BASE, offload=ASYNC, scenario="die", dir=str(d)), tmp, "die", script=FAULTS, env=env,
-                 expect_failure=True)
+    log = launch(dict(BASE, offload=ASYNC, scenario="die", dir=str(d), **SLOW), tmp, "die", script=FAULTS,
+                 env={"DS_OFFLOAD_HEARTBEAT_TIMEOUT": "3"}, expect_failure=True)
     assert "rank 1 stopped writing (its heartbeat stopped for" in log, log[-3000:]
     # the two ranks' lines can interleave with no newline between them: read the number alone
     returned = float(re.search(r"rank 0: save slow5 returned at (\d+(?:\.\d+)?)", log).group(1))

@@ -5,7 +5,7 @@ the ``deepspeed`` launcher (2 CPU ranks over gloo, or 1 rank per GPU), Lightning
 HF Trainer, three launches: without offload (6 steps); with offload and asynchronous checkpoints
 every 2 steps under ``save_total_limit=1``, stopped after step 4 (the schedule still counts 6 steps);
 resumed from that run's ``checkpoint-4`` through ``resume_from_checkpoint``. The writes are slowed
-down (``DS_OFFLOAD_TEST_WRITE_DELAY``) so that the Trainer's rotation runs while one is in flight
+down (the spec's ``faults``) so that the Trainer's rotation runs while one is in flight
 unless our guard waits for it. Accelerate, one launch: the same loop without and then with offload.
 """
 
@@ -14,16 +14,12 @@ import os
 import pytest
 import torch
 
-from harness import HERE, launch, two_ranks_unavailable
+from harness import HERE, launch, slow_writes, two_ranks_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyaccel]
 NPROCS = 1 if two_ranks_unavailable() else 2
 SCRIPT = HERE / "integrations_train.py"
 OFFLOAD = {"enabled": True, "mode": "stream", "memory_budget_gb": 0, "async_checkpoint": True}
-
-
-def slow_writes(tag):
-    return {"DS_OFFLOAD_TEST_WRITE_DELAY": "0.5", "DS_OFFLOAD_TEST_DELAY_TAG": tag}
 
 
 def run(spec, tmp, name, env=None):
@@ -47,7 +43,7 @@ def hf(tmp_path_factory):
     out = {"tmp": tmp}
     out["plain"] = run({"framework": "hf", "dir": str(tmp / "plain"), "max_steps": 6, "params_at": [4]}, tmp, "plain")
     off = {"framework": "hf", "dir": str(tmp / "off"), "max_steps": 6, "offload": OFFLOAD}
-    out["stopped"] = run(dict(off, stop_at=4), tmp, "stopped", env=slow_writes("global_step"))
+    out["stopped"] = run(dict(off, stop_at=4, **slow_writes("global_step", 0.5)), tmp, "stopped")
     out["resumed"] = run(dict(off, resume=str(tmp / "off" / "checkpoint-4")), tmp, "resumed")
     return out
 
@@ -75,7 +71,7 @@ def test_hf_trainer_resume_is_exact(hf):
 
 def test_accelerate_loop(tmp_path):
     r = run({"framework": "accelerate", "dir": str(tmp_path / "acc"), "max_steps": 6, "save_at": [2, 4, 6],
-             "offload": OFFLOAD}, tmp_path, "accelerate", env=slow_writes("pytorch_model"))
+             "offload": OFFLOAD, **slow_writes("pytorch_model", 0.5)}, tmp_path, "accelerate")
     assert r["plain_has_offload"] is False and moved(r)
     assert_params_equal(r["params"], r["plain_params"])
     # total_limit=2: save_state deleted checkpoint_0 before the third save; the two kept are complete
@@ -104,8 +100,9 @@ def test_lightning_deepspeed_strategy(tmp_path):
     # ModelCheckpoint(every_n_train_steps=2, save_top_k=1) with async writes: Lightning deleted each
     # older checkpoint right after the next save; only the newest is left, written by us and whole
     from deepspeed_offload.runtime import checkpoint as ck
+    from deepspeed_offload.runtime.checkpoint.names import MARKER_RE
     kept = sorted(p.name for p in (tmp_path / "offload").iterdir() if p.name.endswith(".ckpt"))
     assert kept == ["epoch=0-step=6.ckpt"], kept
     tag = tmp_path / "offload" / kept[0] / "checkpoint"
-    assert any(ck._MARKER_RE.match(n) for n in os.listdir(tag)), sorted(os.listdir(tag))  # ours, complete
+    assert any(MARKER_RE.match(n) for n in os.listdir(tag)), sorted(os.listdir(tag))  # ours, complete
     assert ck.verify_checkpoint(str(tag)) is None

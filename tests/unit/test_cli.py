@@ -7,6 +7,7 @@ import pytest
 
 from bench_runs import RUNS
 from deepspeed_offload import config as cfgmod
+from deepspeed_offload.cli import digest_throughput
 from deepspeed_offload.cli import main as cli_main
 
 
@@ -141,3 +142,9 @@ def test_estimate_shares_the_host_bandwidth_among_the_ranks_of_a_node(capsys):
     eight = estimate(capsys, "--params", "1e9", "--world-size", "8", "--bandwidth", str(alone), "--ranks-per-node", "8")
     assert eight["bandwidth_per_rank_GBps"] == pytest.approx(two["bandwidth_per_rank_GBps"] / 4)
     assert eight["step_copy_s"] > two["step_copy_s"]
+
+
+def test_digest_throughput_is_measured(capsys):
+    assert digest_throughput(gib=1 / 64) > 0
+    assert cli_main(["digest", "--gib", "0.02"]) == 0
+    assert "GB/s" in capsys.readouterr().out
