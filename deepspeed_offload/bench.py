@@ -55,6 +55,7 @@ import time
 
 import torch
 
+from .bandwidth import bandwidth_all_ranks
 from .config import estimate, state_bytes_per_rank
 
 # Every name --modes accepts, besides compile_offload@<budget> and the shorthands below.
@@ -238,81 +239,6 @@ def make_loss(args, device):
     return lambda engine: engine(x).float().pow(2).mean()
 
 
-# ---------------------------------------------------------------------------------------- bandwidth
-
-
-def measure_bandwidth(gib=1):
-    """GB/s each way with both directions busy, or None without a CUDA device."""
-    if not torch.cuda.is_available():
-        return None
-    return bandwidth(argparse.Namespace(bw_gib=gib))["both_each_way_GBps"]
-
-
-def bandwidth(args, barrier=None):
-    """Pinned H2D, D2H, both at once (each way), pageable H2D, in GB/s: medians of 5 copies of
-    ``args.bw_gib`` GiB. ``barrier`` (with several ranks) runs before every timed copy, so that all
-    ranks copy at once."""
-    n = args.bw_gib * GiB // 4
-    host_a = torch.empty(n, dtype=torch.float32, pin_memory=True)
-    host_b = torch.empty(n, dtype=torch.float32, pin_memory=True)
-    pageable = torch.empty(n, dtype=torch.float32)
-    dev_a = torch.empty(n, dtype=torch.float32, device="cuda")
-    dev_b = torch.empty(n, dtype=torch.float32, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def timed(fn, reps=5):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            if barrier is not None:
-                barrier()
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-    nbytes = n * 4
-
-    def both():
-        with torch.cuda.stream(s1):
-            dev_a.copy_(host_a, non_blocking=True)
-        with torch.cuda.stream(s2):
-            host_b.copy_(dev_b, non_blocking=True)
-
-    return {
-        "h2d_GBps": nbytes / timed(lambda: dev_a.copy_(host_a, non_blocking=True)) / 1e9,
-        "d2h_GBps": nbytes / timed(lambda: host_b.copy_(dev_b, non_blocking=True)) / 1e9,
-        "both_each_way_GBps": nbytes / timed(both) / 1e9,
-        "pageable_h2d_GBps": nbytes / timed(lambda: dev_a.copy_(pageable)) / 1e9,
-    }
-
-
-def bandwidth_all_ranks(args):
-    """One rank: ``bandwidth``. Several: each rank alone (the others wait at a barrier), then every
-    rank at once; rank 0 returns its own 'at once' figures (the ones the copy floor needs) and every
-    rank's both ways under ``ranks``; other ranks return None."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return bandwidth(args)
-    import torch.distributed as dist
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    alone = None
-    for r in range(world):
-        dist.barrier()
-        if r == rank:
-            alone = bandwidth(args)
-        dist.barrier()
-    together = bandwidth(args, barrier=dist.barrier)
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"rank": rank, "alone": alone, "together": together})
-    dist.destroy_process_group()
-    return dict(together, ranks=per_rank) if rank == 0 else None
-
-
 # ---------------------------------------------------------------------------------------- the worker
 
 
@@ -347,7 +273,7 @@ def worker(mode, args):
     acc = get_accelerator()
     acc.set_device(int(os.environ["LOCAL_RANK"]))  # before zero.Init and the inputs: one device per rank
     if mode == "bandwidth":
-        return bandwidth_all_ranks(args)
+        return bandwidth_all_ranks(args.bw_gib)
     import deepspeed
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
