@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench_runs import RUNS
-from deepspeed_offload import bench
+from deepspeed_offload.bench import charts, driver, models, modes, options
+from deepspeed_offload.bench import report as reporting
+from deepspeed_offload.bench import timeline
 from deepspeed_offload.config import OffloadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,48 +25,58 @@ TINY_LLAMA = ["--model", "llama", "--layers", "2", "--hidden", "64", "--intermed
 
 
 def parse(*argv):
-    return bench.resolve(bench.build_parser().parse_args(list(argv)))
+    return options.resolve(options.build_parser().parse_args(list(argv)))
+
+
+def expand(spec, budgets="0,8,16,32,default"):
+    """The names ``--modes spec --budgets budgets`` runs."""
+    return [m.name for m in modes.expand(spec, parse("--budgets", budgets))]
+
+
+def config(name, args):
+    return modes.ds_config(modes.describe(name, args), args)
 
 
 def test_every_mode_has_a_config_and_a_baseline():
     args = parse()
-    modes = bench.expand_modes("all", args.budgets) + bench.MODES[1:]
-    for mode in modes:
-        cfg = bench.ds_config(mode, args)
+    names = expand("all", args.budgets) + modes.FIXED + list(modes.ALIASES)
+    for name in names:
+        cfg = config(name, args)
         assert cfg["zero_optimization"]["stage"] == 3
         block = cfg.get("optimizer_state_offload")
         if block is not None:
             OffloadConfig(**block)  # the keys and types our config accepts
-        assert bench.baseline(mode) in modes
-    block = {m: bench.ds_config(m, args)["optimizer_state_offload"] for m in ("stream", "stream_overlap")}
+        assert modes.describe(name, args).baseline in names
+    block = {m: config(m, args)["optimizer_state_offload"] for m in ("stream", "stream_overlap")}
     assert block["stream"]["overlap"] is False and block["stream_overlap"]["overlap"] is True
     assert block["stream"]["memory_budget_gb"] == block["stream_overlap"]["memory_budget_gb"] == 0
-    assert bench.ds_config("stream_overlap", parse("--overlap-memory-gb", "3"))[
+    assert config("stream_overlap", parse("--overlap-memory-gb", "3"))[
         "optimizer_state_offload"]["overlap_memory_gb"] == 3.0
-    budget = {m: bench.ds_config(m, args)["optimizer_state_offload"]["memory_budget_gb"]
+    budget = {m: config(m, args)["optimizer_state_offload"]["memory_budget_gb"]
               for m in ("compile_offload", "compile_offload_budget", "compile_offload_full", "compile_offload@8",
                         "compile_offload@default")}
     assert budget == {"compile_offload": None, "compile_offload_budget": args.budget_gb, "compile_offload_full": 0,
                       "compile_offload@8": 8.0, "compile_offload@default": None}
-    assert "optimizer_state_offload" not in bench.ds_config("dc_offload_opt_states", args)
-    assert bench.ds_config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
+    assert "optimizer_state_offload" not in config("dc_offload_opt_states", args)
+    assert config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
 
 
 def test_the_budget_sweep_is_one_run_of_several_modes():
-    modes = bench.expand_modes("all", "0,8,16,32,default")
-    sweep = [m for m in modes if m.startswith("compile_offload@")]
+    names = expand("all", "0,8,16,32,default")
+    sweep = [m for m in names if m.startswith("compile_offload@")]
     assert sweep == ["compile_offload@0", "compile_offload@8", "compile_offload@16", "compile_offload@32",
                      "compile_offload@default"]
-    assert modes.index("compiled") < modes.index(sweep[0]) < modes.index("dc_offload_opt_states")
-    assert {"stream", "stream_overlap", "bandwidth", "resident"} <= set(modes)
-    assert bench.expand_modes("resident,compile_sweep,resident", "4") == ["resident", "compile_offload@4"]
-    for bad, budgets in (("strem", "0"), ("compile_offload@lots", "0"), ("compile_sweep", "0,-1")):
+    assert names.index("compiled") < names.index(sweep[0]) < names.index("dc_offload_opt_states")
+    assert {"stream", "stream_overlap", "bandwidth", "resident"} <= set(names)
+    assert expand("resident,compile_sweep,resident", "4") == ["resident", "compile_offload@4"]
+    for bad, budgets in (("strem", "0"), ("compile_offload@lots", "0"), ("compile_sweep", "0,-1"),
+                         ("compile_offload@", "0")):
         with pytest.raises(ValueError):
-            bench.expand_modes(bad, budgets)
+            expand(bad, budgets)
 
 
 def test_a_bad_mode_is_refused_before_anything_runs(capsys):
-    assert bench.main(["--modes", "resident,strem"]) == 2
+    assert driver.main(["--modes", "resident,strem"]) == 2
     assert "strem" in capsys.readouterr().err
 
 
@@ -75,19 +87,19 @@ def test_llama_defaults_are_tinyllama_and_flags_override():
     assert parse("--model", "llama", "--layers", "4", "--seq", "512").layers == 4
     mlp = parse()
     assert (mlp.layers, mlp.hidden) == (64, 4096)
-    assert bench.ds_config("resident", args)["train_micro_batch_size_per_gpu"] == 8
+    assert config("resident", args)["train_micro_batch_size_per_gpu"] == 8
 
 
 def test_a_tiny_llama_builds_and_trains_on_the_cpu():
     args = parse(*TINY_LLAMA)
-    model = bench.build_llama(args)
+    model = models.build_llama(args)
     h, i, v, L, kv = 64, 176, 128, 2, 2 * 64 // 4
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q,o; k,v; gate,up,down; two norms
     assert sum(p.numel() for p in model.parameters()) == 2 * v * h + L * per_layer + h
     assert model.config._attn_implementation == "sdpa" and model.config.use_cache is False
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert not model.config.tie_word_embeddings
-    loss_of = bench.make_loss(args, "cpu")
+    loss_of = models.make_loss(args, "cpu")
     loss = loss_of(model)
     loss.backward()
     assert math.isfinite(loss.item()) and loss.item() > 0
@@ -115,7 +127,7 @@ def fake_workers(monkeypatch):
         Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps(result))
         return subprocess.CompletedProcess(cmd, 0, "log of " + mode, None)
 
-    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr(driver.subprocess, "run", run)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     return launched
@@ -127,13 +139,13 @@ def cmd_mode(cmd):
 
 def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
     out = str(tmp_path / "b.json")
-    assert bench.main(["--out", out, "--modes", "resident,stream"]) == 0
+    assert driver.main(["--out", out, "--modes", "resident,stream"]) == 0
     first = json.loads(open(out).read())
     assert "iter_s" in first["results"]["resident"] and "boom" in first["results"]["stream"]["error"]
     assert [cmd_mode(c) for c in fake_workers] == ["resident", "stream"]
     assert (tmp_path / "b-stream.log").read_text() == "Traceback\nRuntimeError: boom"  # the whole output is kept
     # the failed mode and the new ones run again, the measured one is kept
-    assert bench.main(["--out", out, "--modes", "resident,stream,compile_sweep", "--budgets", "0,default",
+    assert driver.main(["--out", out, "--modes", "resident,stream,compile_sweep", "--budgets", "0,default",
                        "--resume"]) == 0
     assert [cmd_mode(c) for c in fake_workers] == ["resident", "stream", "stream", "compile_offload@0",
                                                     "compile_offload@default"]
@@ -141,23 +153,23 @@ def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
                                                             "compile_offload@default"}
     assert (tmp_path / "b-compile_offload_at_0.log").exists()
     # other arguments: not the same run, refused
-    assert bench.main(["--out", out, "--modes", "resident", "--iters", "3", "--resume"]) == 2
+    assert driver.main(["--out", out, "--modes", "resident", "--iters", "3", "--resume"]) == 2
 
 
 def test_several_ranks_run_through_torchrun(tmp_path, fake_workers):
     out = str(tmp_path / "b.json")
-    assert bench.main(["--out", out, "--modes", "resident", "--ranks", "2"]) == 0
+    assert driver.main(["--out", out, "--modes", "resident", "--ranks", "2"]) == 0
     cmd = fake_workers[0]
     assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert "--nproc_per_node=2" in cmd and cmd[cmd.index("-m", 3):][:2] == ["-m", "deepspeed_offload.bench"]
-    assert bench.main(["--out", out, "--modes", "resident", "--ranks", "4"]) == 2  # 2 GPUs here
+    assert driver.main(["--out", out, "--modes", "resident", "--ranks", "4"]) == 2  # 2 GPUs here
 
 
 def test_the_cli_namespace_is_summarized(tmp_path):
     """``deepspeed-offload bench`` passes a namespace with the CLI's own entries (a function among them)."""
     from deepspeed_offload.cli import build_parser
     ns = build_parser().parse_args(["bench", "--out", str(tmp_path / "b.json"), "--model", "llama"])
-    bench.summarize({}, bench.resolve(ns))
+    reporting.summarize({}, options.resolve(ns))
     written = json.loads((tmp_path / "b.json").read_text())["args"]
     assert written["model"] == "llama" and written["hidden"] == 2048 and "func" not in written
 
@@ -194,7 +206,7 @@ def synthetic(ranks=1):
 
 def test_the_floor_and_the_share_of_it_hidden(tmp_path):
     args = parse("--out", str(tmp_path / "b.json"))
-    s = bench.summarize(synthetic(), args)
+    s = reporting.summarize(synthetic(), args)
     assert s["floor_s"] == pytest.approx(0.5)
     res = s["results"]
     assert res["stream"]["hidden_share"] == pytest.approx(0.0)  # 0.5 s over resident: nothing hidden
@@ -203,9 +215,9 @@ def test_the_floor_and_the_share_of_it_hidden(tmp_path):
     assert res["stream_overlap"]["pipelined_hidden_share"] == pytest.approx(0.6)
     assert "hidden_share" not in res["resident"] and "hidden_share" not in res["compiled"]
     # two ranks: each holds half the state, at the bandwidth measured with both copying
-    s2 = bench.summarize(synthetic(2), parse("--out", str(tmp_path / "c.json"), "--ranks", "2"))
+    s2 = reporting.summarize(synthetic(2), parse("--out", str(tmp_path / "c.json"), "--ranks", "2"))
     assert s2["floor_s"] == pytest.approx(0.25)
-    text = bench.report(s2)
+    text = reporting.report(s2)
     assert "rank 1: alone H2D/D2H/both 30.0/30.0/25.0, all ranks at once 28.0/28.0/24.0" in text
     assert "stream_overlap: host per node (2 ranks)" in text
     assert "| zero_offload | failed: RuntimeError: out of / memory |" in text
@@ -226,14 +238,14 @@ def test_the_timeline_is_rebuilt_from_the_allocator_trace():
              entry("free_completed", 1600, 3 * 10**9),  # the same microsecond: the peak stays
              entry("free_completed", 2500, 2 * 10**9),
              entry("alloc", 3100, 10**9)]  # after the iteration
-    tl = bench.timeline_from_trace(trace, marks, base_bytes=5 * 10**9)
-    assert [round(y * bench.GiB / 1e9) for y in tl["allocated_GiB"]] == [5, 7, 10, 7, 5, 5]
+    tl = timeline.timeline_from_trace(trace, marks, base_bytes=5 * 10**9)
+    assert [round(y * timeline.GiB / 1e9) for y in tl["allocated_GiB"]] == [5, 7, 10, 7, 5, 5]
     assert tl["t_s"] == pytest.approx([0, 0.0001, 0.0006, 0.0006, 0.0015, 0.002])
-    assert tl["peak_GiB"] == pytest.approx(10e9 / bench.GiB) and tl["events"] == 4
+    assert tl["peak_GiB"] == pytest.approx(10e9 / timeline.GiB) and tl["events"] == 4
     assert tl["marks_s"] == {"forward": 0, "backward": 0.0005, "step": 0.001, "end": 0.002}
     assert not tl["truncated"]
     # a ring buffer that wrapped before the iteration ended is flagged
-    assert bench.timeline_from_trace(trace[2:4], marks, 0, max_entries=2)["truncated"]
+    assert timeline.timeline_from_trace(trace[2:4], marks, 0, max_entries=2)["truncated"]
 
 
 def test_a_long_timeline_keeps_its_peak():
@@ -241,9 +253,9 @@ def test_a_long_timeline_keeps_its_peak():
     trace = [entry("alloc" if k % 2 == 0 else "free_completed", 10 + k, 10**6) for k in range(n)]
     trace.insert(5001, entry("alloc", 5011, 10**9))
     trace.insert(5002, entry("free_completed", 5011, 10**9))
-    tl = bench.timeline_from_trace(trace, {"forward": 0, "end": 20_000}, 0, max_points=500)
+    tl = timeline.timeline_from_trace(trace, {"forward": 0, "end": 20_000}, 0, max_points=500)
     assert len(tl["t_s"]) <= 502
-    assert max(tl["allocated_GiB"]) == pytest.approx(tl["peak_GiB"]) == pytest.approx((10**9 + 10**6) / bench.GiB)
+    assert max(tl["allocated_GiB"]) == pytest.approx(tl["peak_GiB"]) == pytest.approx((10**9 + 10**6) / timeline.GiB)
     assert tl["t_s"] == sorted(tl["t_s"])
 
 
@@ -252,13 +264,13 @@ def png(path):
 
 
 def test_every_chart_draws_from_synthetic_results(tmp_path):
-    s = bench.summarize(synthetic(), parse("--out", str(tmp_path / "b.json")))
-    bench.plot(s, tmp_path / "c.png")
-    assert bench.plot_sweep(s, tmp_path / "s.png") and bench.plot_timeline(s, tmp_path / "t.png")
+    s = reporting.summarize(synthetic(), parse("--out", str(tmp_path / "b.json")))
+    charts.plot(s, tmp_path / "c.png")
+    assert charts.plot_sweep(s, tmp_path / "s.png") and charts.plot_timeline(s, tmp_path / "t.png")
     assert png(tmp_path / "c.png") and png(tmp_path / "s.png") and png(tmp_path / "t.png")
     bare = dict(s, results={"resident": s["results"]["resident"]})
     bare["results"]["resident"] = dict(bare["results"]["resident"], timeline=None)
-    assert not bench.plot_sweep(bare, tmp_path / "s2.png") and not bench.plot_timeline(bare, tmp_path / "t2.png")
+    assert not charts.plot_sweep(bare, tmp_path / "s2.png") and not charts.plot_timeline(bare, tmp_path / "t2.png")
     assert not (tmp_path / "s2.png").exists() and not (tmp_path / "t2.png").exists()
 
 
@@ -275,7 +287,7 @@ def test_a_committed_run_measured_every_mode_it_asked_for():
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: p.name)
 def test_the_chart_draws_every_committed_run(tmp_path, path):
     """Runs with failed modes (run 4) and with every mode (run 5), floor marks included."""
-    bench.plot(json.loads(path.read_text()), tmp_path / "c.png")
+    charts.plot(json.loads(path.read_text()), tmp_path / "c.png")
     assert png(tmp_path / "c.png")
 
 
@@ -311,7 +323,7 @@ def run_worker(tmp_path, launcher, mode, *extra):
 
 
 def check_worker_result(r, ranks):
-    params = sum(p.numel() for p in bench.build_llama(parse(*TINY_LLAMA)).parameters())
+    params = sum(p.numel() for p in models.build_llama(parse(*TINY_LLAMA)).parameters())
     assert r["params"] == params and r["model"] == "llama" and r["ranks"] == ranks
     assert len(r["per_iter"]) == 2 and all(math.isfinite(row["loss"]) for row in r["per_iter"])
     for k in ("iter_s", "step_s", "fwd_bwd_s", "pipelined_iter_s"):
@@ -341,5 +353,5 @@ def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind)
 @pytest.mark.e2e
 def test_the_worker_runs_two_ranks_through_torchrun(tmp_path, no_shm_left_behind):
     """``--ranks 2``'s launch command, two gloo ranks on the CPU: rank 0 reports both ranks."""
-    r = run_worker(tmp_path, bench.launcher(parse("--ranks", "2")), "stream")
+    r = run_worker(tmp_path, driver.launcher(parse("--ranks", "2")), "stream")
     check_worker_result(r, 2)
