@@ -107,7 +107,10 @@ def draw(summary, args):
 def run(args, argv):
     """The bench (or, with ``--worker``, one of its workers) for parsed ``args``; ``argv`` is passed
     on to every worker. Returns the exit status."""
-    resolve(args)
+    try:
+        resolve(args)
+    except ValueError as e:
+        return _refuse(e)
     if args.worker:
         from .worker import work
         return work(args)

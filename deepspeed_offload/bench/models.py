@@ -12,14 +12,31 @@ import torch
 MODEL_DEFAULTS = {
     "mlp": dict(layers=64, hidden=4096),
     "sequential": dict(layers=64, hidden=4096),
-    # TinyLlama-1.1B's shape.
-    "llama": dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000, batch=8, seq=2048),
+    "llama": dict(batch=8, seq=2048),  # and the shape of its preset
 }
+# --model llama --preset NAME: the published models' shapes (random weights all the same).
+LLAMA_PRESETS = {
+    "tinyllama": dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000),
+    "llama2-7b": dict(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000),
+    "llama3-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
+}
+DEFAULT_PRESET = "tinyllama"
 
 
 def resolve(args):
-    """Fill the model-dependent sizes left unset (None) in ``args`` in place; returns ``args``."""
-    for k, v in MODEL_DEFAULTS[args.model].items():
+    """Fill the model-dependent sizes left unset (None) in ``args`` in place, from the model's
+    defaults and, for llama, its preset (``tinyllama`` unless ``--preset`` names another); a size
+    given on the command line wins. Returns ``args``; raises ValueError for a preset or gradient
+    checkpointing asked of a model without them."""
+    defaults = dict(MODEL_DEFAULTS[args.model])
+    if args.model == "llama":
+        args.preset = getattr(args, "preset", None) or DEFAULT_PRESET
+        defaults.update(LLAMA_PRESETS[args.preset])
+    else:
+        for flag, value in (("--preset", getattr(args, "preset", None)), ("--grad-ckpt", getattr(args, "grad_ckpt", False))):
+            if value:
+                raise ValueError(f"{flag} is for --model llama")
+    for k, v in defaults.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     return args
@@ -52,13 +69,17 @@ class MLP(torch.nn.Module):
 def build_llama(args):
     """A Llama-shaped ``LlamaForCausalLM`` with random weights (whatever each module's own init gives;
     under ``zero.Init`` every module is partitioned as it is built). SDPA attention, no KV cache,
-    untied embeddings, gradient checkpointing off (the default)."""
+    untied embeddings; with ``args.grad_ckpt`` gradient checkpointing on every decoder layer
+    (non-reentrant: the form ZeRO-3's parameter hooks work with), off otherwise."""
     LlamaConfig, LlamaForCausalLM = llama_classes()
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 2048),
                          use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if getattr(args, "grad_ckpt", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def llama_classes():

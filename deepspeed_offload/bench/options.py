@@ -14,8 +14,9 @@ DESCRIPTION = ("Our stream and compile modes side by side with the upstream Deep
                "state, each mode in its own process.")
 TIMELINE_HELP = "resident, stream, stream_overlap"
 
-# What identifies a run (the rest says where its output goes or how it is driven).
-NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "timeout", "worker", "result_file")
+# What identifies a run (the rest says where its output goes or how it is driven; a preset is
+# identified by the sizes it sets, which are compared).
+NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "timeout", "worker", "result_file", "preset")
 
 
 def build_parser(ap=None):
@@ -29,13 +30,17 @@ def build_parser(ap=None):
     ap.add_argument("--model", choices=list(models.MODEL_DEFAULTS), default="mlp",
                     help="mlp: Linear+ReLU layers in a ModuleList; sequential: the same in an nn.Sequential; "
                     "llama: a transformers LlamaForCausalLM (TinyLlama's shape by default)")
-    ap.add_argument("--layers", type=int, default=None, help="default: 64 (mlp), 22 (llama)")
-    ap.add_argument("--hidden", type=int, default=None, help="default: 4096 (mlp), 2048 (llama)")
+    ap.add_argument("--preset", choices=list(models.LLAMA_PRESETS), default=None,
+                    help=f"llama's shape (default {models.DEFAULT_PRESET}); the size flags below override it")
+    ap.add_argument("--grad-ckpt", action="store_true",
+                    help="llama: gradient checkpointing on every decoder layer (non-reentrant)")
+    ap.add_argument("--layers", type=int, default=None, help="default: 64 (mlp), the preset's (llama)")
+    ap.add_argument("--hidden", type=int, default=None, help="default: 4096 (mlp), the preset's (llama)")
     ap.add_argument("--tokens", type=int, default=4096, help="rows of the MLP's input")
-    ap.add_argument("--intermediate", type=int, default=None, help="llama MLP width (5632)")
-    ap.add_argument("--heads", type=int, default=None, help="llama attention heads (32)")
-    ap.add_argument("--kv-heads", type=int, default=None, help="llama key/value heads (4)")
-    ap.add_argument("--vocab", type=int, default=None, help="llama vocabulary (32000)")
+    ap.add_argument("--intermediate", type=int, default=None, help="llama MLP width (the preset's)")
+    ap.add_argument("--heads", type=int, default=None, help="llama attention heads (the preset's)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="llama key/value heads (the preset's)")
+    ap.add_argument("--vocab", type=int, default=None, help="llama vocabulary (the preset's)")
     ap.add_argument("--batch", type=int, default=None, help="llama sequences per micro-batch (8)")
     ap.add_argument("--seq", type=int, default=None, help="llama tokens per sequence (2048)")
     ap.add_argument("--ranks", type=int, default=1, help="ranks per mode, one GPU each (torchrun, one node)")
@@ -60,7 +65,8 @@ def build_parser(ap=None):
 
 
 def resolve(args):
-    """Fill the defaults that depend on other arguments (the model's sizes) in place; returns ``args``."""
+    """Fill the defaults that depend on other arguments (the model's sizes) in place; returns ``args``.
+    Raises ValueError for arguments that do not go together."""
     return models.resolve(args)
 
 
@@ -73,6 +79,7 @@ def args_record(args):
 def identity_diff(args, recorded):
     """The argument names in which ``args`` and a run's recorded arguments differ, leaving out those
     that only say where output goes or how the run is driven (``NOT_IDENTITY``)."""
+    defaults = vars(build_parser().parse_args([]))  # an argument newer than the record had its default
     mine = {k: v for k, v in args_record(args).items() if k not in NOT_IDENTITY}
-    theirs = {k: v for k, v in recorded.items() if k not in NOT_IDENTITY}
+    theirs = {k: recorded.get(k, defaults.get(k)) for k in set(recorded) | set(mine) if k not in NOT_IDENTITY}
     return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))

@@ -110,7 +110,7 @@ def run_mode(mode, args):
     loop = Loop(engine, make_loss(args, acc.current_device_name()), acc, mode)
     out = measure(loop, args, progress)
     out.update(params=nparams, iters=args.iters, model=args.model, ranks=world,
-               state_GiB=state_bytes_per_rank(nparams, 1) / GiB)
+               state_GiB=state_bytes_per_rank(nparams, 1) / GiB, grad_ckpt=bool(getattr(args, "grad_ckpt", False)))
     handle = deepspeed_offload.get_handle(engine)
     if mode.checkpoint:
         out.update(loop.checkpoint_times(handle, args.ckpt_dir))

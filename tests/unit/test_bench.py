@@ -90,6 +90,59 @@ def test_llama_defaults_are_tinyllama_and_flags_override():
     assert config("resident", args)["train_micro_batch_size_per_gpu"] == 8
 
 
+def test_llama_presets_set_the_shape_and_flags_still_override():
+    shape = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq")
+
+    def sizes(*argv):
+        args = parse("--model", "llama", *argv)
+        return tuple(getattr(args, k) for k in shape)
+
+    assert sizes() == sizes("--preset", "tinyllama") == (22, 2048, 5632, 32, 4, 32000, 8, 2048)
+    assert parse("--model", "llama").preset == "tinyllama"
+    assert sizes("--preset", "llama2-7b") == (32, 4096, 11008, 32, 32, 32000, 8, 2048)
+    assert sizes("--preset", "llama3-8b") == (32, 4096, 14336, 32, 8, 128256, 8, 2048)
+    assert sizes("--preset", "llama3-8b", "--layers", "4", "--batch", "2", "--seq", "4096", "--vocab", "1000") == \
+        (4, 4096, 14336, 32, 8, 1000, 2, 4096)
+    with pytest.raises(SystemExit):
+        parse("--model", "llama", "--preset", "llama4")
+    for flags in (["--preset", "llama2-7b"], ["--grad-ckpt"]):  # the MLPs have neither
+        with pytest.raises(ValueError, match=flags[0]):
+            parse(*flags)
+        assert driver.main(["--modes", "resident", *flags]) == 2
+
+
+def test_the_7b_preset_has_7b_parameters():
+    """The presets are the published shapes: parameter counts from the config alone (nothing built)."""
+    def count(preset):
+        a = parse("--model", "llama", "--preset", preset)
+        kv = a.hidden // a.heads * a.kv_heads
+        layer = 2 * a.hidden * a.hidden + 2 * a.hidden * kv + 3 * a.hidden * a.intermediate + 2 * a.hidden
+        return 2 * a.vocab * a.hidden + a.layers * layer + a.hidden
+
+    assert count("llama2-7b") == 6_738_415_616  # Llama-2-7b-hf
+    assert count("llama3-8b") == 8_030_261_248  # Meta-Llama-3-8B
+    assert count("tinyllama") == 1_100_048_384  # TinyLlama-1.1B
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """--grad-ckpt: every decoder layer recomputed in backward (non-reentrant), the loss and every
+    gradient as without it."""
+    import torch
+    grads = []
+    for flags in ([], ["--grad-ckpt"]):
+        torch.manual_seed(0)
+        args = parse(*TINY_LLAMA, *flags)
+        model = models.build_llama(args)
+        layers = model.model.layers
+        assert all(getattr(layer, "gradient_checkpointing", False) for layer in layers) == bool(flags)
+        torch.manual_seed(1)
+        loss = models.make_loss(args, "cpu")(model)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+
+
 def test_a_tiny_llama_builds_and_trains_on_the_cpu():
     args = parse(*TINY_LLAMA)
     model = models.build_llama(args)
