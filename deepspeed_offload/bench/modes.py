@@ -5,10 +5,11 @@ A mode says what it offloads, which mode it is compared with, whether it runs un
 it adds to the ds_config and, for our modes, its resident budget (``memory_budget_gb``). Nothing else
 in the benchmark looks at a mode's name: the worker, the report and the charts read these fields.
 
-Names: the fixed ones in ``FIXED``; ``compile_offload@B`` (B a number of GiB or ``default``: null,
-derived from the card); the shorthands ``all`` and ``compile_sweep`` (one ``compile_offload@B`` per
-``--budgets`` entry); and the older names of ``ALIASES``, still accepted because docs and committed
-JSON use them.
+Names: the fixed ones in ``FIXED``; the budget families ``compile_offload@B``, ``stream@B`` (overlap
+off) and ``stream_overlap@B`` (overlap on), B a number of GiB or ``default`` (null: derived from the
+card); the shorthands ``all`` and the sweeps (``compile_sweep``, ``stream_sweep``,
+``stream_overlap_sweep``: one NAME@B per ``--budgets`` entry); and the older names of ``ALIASES``,
+still accepted because docs and committed JSON use them.
 """
 
 import copy
@@ -20,13 +21,14 @@ from typing import Mapping, Optional, Tuple
 DEFAULT_MODES = ["bandwidth", "resident", "stream", "stream_overlap", "offload_states", "zero_offload", "checkpoint",
                  "compiled", "compile_sweep", "dc_offload_opt_states", "dc_offload_opt_states_full"]
 # Shorthand -> the family its --budgets entries expand into.
-SWEEPS = {"compile_sweep": "compile_offload"}
+SWEEPS = {"compile_sweep": "compile_offload", "stream_sweep": "stream", "stream_overlap_sweep": "stream_overlap"}
 # Older names -> (family, budget); "budget_gb" stands for --budget-gb.
 ALIASES = {"compile_offload": ("compile_offload", "default"), "compile_offload_budget": ("compile_offload", "budget_gb"),
            "compile_offload_full": ("compile_offload", "0")}
 
 NOTHING = "nothing"
 OUR_STATE = "fp32 masters and optimizer states (stream mode)"
+OUR_STATE_BUDGET = "fp32 masters and optimizer states beyond the budget (stream mode)"
 OUR_STATE_COMPILED = "fp32 masters and optimizer states beyond the budget (compile mode)"
 
 
@@ -38,7 +40,7 @@ class Mode:
     baseline: str  # the mode its iteration time is compared with
     compiled: bool = False  # built with DeepCompile: engine.compile(), a longer warm-up
     budget_gb: Optional[float] = None  # our block's memory_budget_gb (None: derived, or no block of ours)
-    family: Optional[str] = None  # the budget family (compile_offload) of a NAME@B mode or its alias
+    family: Optional[str] = None  # the budget family (FAMILIES) of a NAME@B mode or its alias
     against_floor: bool = False  # reported as overhead over its baseline, against the copy floor
     traced: bool = False  # its one traced iteration goes into the memory timeline
     probe: bool = False  # no engine: the bandwidth probe
@@ -106,17 +108,24 @@ def _fixed(name, settings):
 
 FIXED = ["bandwidth", "resident", "stream", "stream_overlap", "stream_prefetch", "offload_states", "zero_offload",
          "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
-FAMILIES = ["compile_offload"]
+FAMILIES = ["compile_offload", "stream", "stream_overlap"]
 
 
 def _budget_mode(name, family, budget, settings):
     """A mode of a budget family: ``budget`` a number of GiB or ``default``."""
     gb = None if budget == "default" else float(budget)
-    block = {"optimizer_state_offload": {"enabled": True, "mode": "compile", "sub_group_mb": settings.sub_group_mb,
-                                         "memory_budget_gb": gb},
-             "compile": {"deepcompile": True, "offload_opt_states": False}}
-    return Mode(name=name, offloads=OUR_STATE_COMPILED, baseline="compiled",
-                compiled=True, budget_gb=gb, family=family, against_floor=True, config=_frozen(block))
+    if family == "compile_offload":
+        block = {"optimizer_state_offload": {"enabled": True, "mode": "compile", "sub_group_mb": settings.sub_group_mb,
+                                             "memory_budget_gb": gb},
+                 "compile": {"deepcompile": True, "offload_opt_states": False}}
+        return Mode(name=name, offloads=OUR_STATE_COMPILED, baseline="compiled",
+                    compiled=True, budget_gb=gb, family=family, against_floor=True, config=_frozen(block))
+    overlap = dict(overlap=True, overlap_memory_gb=settings.overlap_memory_gb) if family == "stream_overlap" else \
+        dict(overlap=False, prefetch=False)
+    block = _stream_block(settings, **overlap)
+    block["optimizer_state_offload"]["memory_budget_gb"] = gb
+    return Mode(name=name, offloads=OUR_STATE if gb == 0 else OUR_STATE_BUDGET, baseline="resident", budget_gb=gb,
+                family=family, against_floor=True, traced=True, config=_frozen(block))
 
 
 def describe(name, settings):

@@ -12,7 +12,7 @@ from .modes import ALIASES, FAMILIES, FIXED, SWEEPS
 
 DESCRIPTION = ("Our stream and compile modes side by side with the upstream DeepSpeed ways of handling optimizer "
                "state, each mode in its own process.")
-TIMELINE_HELP = "resident, stream, stream_overlap"
+TIMELINE_HELP = "resident and the stream modes (stream, stream_overlap, stream@B, stream_overlap@B)"
 
 # What identifies a run (the rest says where its output goes or how it is driven; a preset is
 # identified by the sizes it sets, which are compared).
@@ -47,7 +47,7 @@ def build_parser(ap=None):
     ap.add_argument("--sub-group-mb", type=int, default=256)
     ap.add_argument("--budget-gb", type=float, default=16.0, help="memory_budget_gb of compile_offload_budget")
     ap.add_argument("--overlap-memory-gb", type=float, default=None,
-                    help="overlap_memory_gb of stream_overlap (default: null, derived)")
+                    help="overlap_memory_gb of stream_overlap and stream_overlap@B (default: null, derived)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bw-gib", type=int, default=2)

@@ -75,6 +75,34 @@ def test_the_budget_sweep_is_one_run_of_several_modes():
             expand(bad, budgets)
 
 
+def test_stream_modes_at_a_resident_budget():
+    """stream@B (overlap off) and stream_overlap@B (overlap on) are stream mode with memory_budget_gb
+    B (default: null); stream and stream_overlap are the same at budget 0."""
+    args = parse("--overlap-memory-gb", "2")
+    block = {m: config(m, args)["optimizer_state_offload"]
+             for m in ("stream", "stream_overlap", "stream@0", "stream_overlap@0", "stream@16", "stream_overlap@16",
+                       "stream@default", "stream_overlap@default", "stream@2.5")}
+    for b in block.values():
+        OffloadConfig(**b)
+    assert block["stream@0"] == block["stream"] and block["stream_overlap@0"] == block["stream_overlap"]
+    assert block["stream@16"] == dict(block["stream"], memory_budget_gb=16.0)
+    assert block["stream_overlap@16"] == dict(block["stream_overlap"], memory_budget_gb=16.0)
+    assert block["stream_overlap@16"]["overlap"] is True and block["stream_overlap@16"]["overlap_memory_gb"] == 2.0
+    assert block["stream@default"]["memory_budget_gb"] is None and block["stream@2.5"]["memory_budget_gb"] == 2.5
+    for name in ("stream@16", "stream_overlap@default"):
+        mode = modes.describe(name, args)
+        assert (mode.baseline, mode.against_floor, mode.traced, mode.compiled, mode.ours) == \
+            ("resident", True, True, False, True)
+        assert "compile" not in config(name, args)
+    assert modes.describe("stream@16", args).budget_label == "16 GiB"
+    assert modes.describe("stream_overlap@default", args).budget_label == "default"
+    assert expand("resident,stream_sweep,stream_overlap_sweep", "0,16") == [
+        "resident", "stream@0", "stream@16", "stream_overlap@0", "stream_overlap@16"]
+    for bad in ("stream@lots", "stream@", "stream@-1", "stream_prefetch@4", "resident@0"):
+        with pytest.raises(ValueError):
+            expand(bad)
+
+
 def test_a_bad_mode_is_refused_before_anything_runs(capsys):
     assert driver.main(["--modes", "resident,strem"]) == 2
     assert "strem" in capsys.readouterr().err
