@@ -51,11 +51,14 @@ def build_parser(ap=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bw-gib", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=400, help="seconds per mode")
+    ap.add_argument("--timeout", default="400",
+                    help="seconds per mode, and MODE=SECONDS for single modes: 900,zero_offload=1800 (a worker "
+                    "past it is killed with every process it started and recorded as timed out)")
     ap.add_argument("--ckpt-dir", default="/tmp/ds_offload_bench_ckpt")
     ap.add_argument("--out", default="bench.json")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the modes --out already holds results for (same arguments) and run the rest")
+                    help="keep the modes --out already holds results for (same arguments; measured, or out of "
+                    "memory) and run the rest")
     ap.add_argument("--plot", default=None, help="PNG path for the chart (and <name>-sweep.png for the budget sweep)")
     ap.add_argument("--timeline", default=None,
                     help="PNG path for the memory timeline of one iteration of " + TIMELINE_HELP)

@@ -84,8 +84,24 @@ def _cell(r, key, fmt="{:.3f}"):
     return text
 
 
+def unmeasured(r):
+    """Why a mode has no figures, in a few words: out of memory, timed out or failed (None: measured)."""
+    if r.get("oom"):
+        peak = r.get("peak_before_GiB")
+        where = "; ".join(filter(None, [f"peak {peak:.2f} GiB before" if peak is not None else None,
+                                        r.get("last_progress")]))
+        return "out of memory" + (f" ({where})" if where else "")
+    if r.get("timeout"):
+        return f"timed out after {r['timeout_s']:g} s" + (f" ({r['last_progress']})" if r.get("last_progress") else "")
+    if "error" in r:
+        last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
+        return f"failed: {last[0][-100:]}"
+    return None
+
+
 def table(results, settings=None):
-    """One markdown row per mode (the bandwidth probe left out); a failed mode says why in one cell."""
+    """One markdown row per mode (the bandwidth probe left out); a mode without figures says why in
+    one cell."""
     settings = settings or settings_of(None)
     lines = ["| mode | iteration s | fwd+bwd s | step s | pipelined iteration s | peak iteration GiB | peak fwd+bwd GiB "
              "| peak in step GiB | between steps GiB | peak reserved GiB | over baseline s | floor hidden |",
@@ -93,9 +109,9 @@ def table(results, settings=None):
     for mode, r in results.items():
         if mode == "bandwidth":
             continue
-        if "error" in r:
-            last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
-            lines.append(f"| {mode} | failed: {last[0][-100:].replace('|', '/')} |" + " |" * 10)
+        why = unmeasured(r)
+        if why:
+            lines.append(f"| {mode} | {why.replace('|', '/')} |" + " |" * 10)
             continue
         base_name = baseline_of(mode, settings)
         base = results.get(base_name, {})
@@ -138,6 +154,23 @@ def _host_line(mode, host):
             f" GiB; estimate {host['estimate_pinned_per_node'] / GiB:.2f} GiB")
 
 
+def _startup_line(mode, r):
+    """How long the mode took to start, and the host memory it pinned (where recorded)."""
+    def num(key, fmt):
+        return "?" if r.get(key) is None else fmt.format(r[key])
+
+    if r.get("engine_built_s") is None:
+        return None
+    text = f"{mode}: engine built {num('engine_built_s', '{:.1f}')} s after the process started"
+    if r.get("attach_s") is not None:
+        text += f" (our attach {num('attach_s', '{:.1f}')} s)"
+    if r.get("host_pinned_GiB") is not None:
+        text += f"; host pinned {num('host_pinned_GiB', '{:.2f}')} GiB"
+        if r.get("pin_s") is not None:
+            text += f" in {num('pin_s', '{:.1f}')} s ({num('pin_GiBps', '{:.1f}')} GiB/s)"
+    return text
+
+
 def _checkpoint_line(ck):
     return (f"checkpoint ({ck['checkpoint_GiB']:.1f} GiB): DeepSpeed synchronous save {ck['sync_save_s']:.2f} s; "
             f"async save blocked {ck['async_blocking_s']:.3f} s ({ck['async_blocking_over_sync']:.1%} of it), "
@@ -153,7 +186,9 @@ def report(summary):
     lines += _bandwidth_lines(results.get("bandwidth", {}))
     if floor_s:
         lines.append(f"copy floor (state bytes per rank / bidirectional bandwidth): {floor_s:.3f} s")
+    lines += [f"{mode}: out of memory: {r['error']}" for mode, r in results.items() if r.get("oom")]
     lines += [_overhead_line(mode, r, settings) for mode, r in results.items() if "overhead_s" in r]
+    lines += list(filter(None, (_startup_line(mode, r) for mode, r in results.items())))
     lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
     ck = results.get("checkpoint", {})
     if "sync_save_s" in ck:

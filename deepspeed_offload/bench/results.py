@@ -4,6 +4,8 @@ host memory per node against ``deepspeed-offload estimate``."""
 
 import statistics
 
+import torch
+
 from ..config import estimate
 from .loop import GiB, spread
 
@@ -40,11 +42,38 @@ def handle_stats(handle, engine, between_GiB):
     return out
 
 
+def torch_pinned_bytes():
+    """What torch's pinned (host) allocator holds now (``allocated_bytes.current``: blocks in use and
+    cached), or None where torch has no such figure (no CUDA, a torch without host_memory_stats)."""
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        return stats().get("allocated_bytes.current")
+    except RuntimeError:
+        return None
+
+
+def host_pinned(handle):
+    """The host memory pinned for the state: our host store's size, the seconds its pinning took
+    and the rate, for our modes; for the others, torch's pinned allocator's figure (``pin_s``
+    unknown). ``torch_pinned_GiB``: that figure for every mode (ours included)."""
+    torch_bytes = torch_pinned_bytes()
+    torch_gib = None if torch_bytes is None else torch_bytes / GiB
+    store = getattr(handle, "store", None)
+    if store is None:
+        return {"host_pinned_GiB": torch_gib, "pin_s": None, "pin_GiBps": None, "torch_pinned_GiB": torch_gib}
+    gib, pin_s = store.nbytes / GiB, getattr(store, "pin_s", None)
+    return {"host_pinned_GiB": gib, "pin_s": pin_s, "pin_GiBps": gib / pin_s if pin_s else None,
+            "torch_pinned_GiB": torch_gib}
+
+
 def rank_record(rank, out):
     """This rank's own figures, for rank 0's ``per_rank``."""
     return {"rank": rank, "iter_s": out["iter_s"], "step_s": out["step_s"], "pipelined_iter_s": out["pipelined_iter_s"],
             "peak_iter_GiB": out["peak_iter_GiB"], "between_GiB": out["between_GiB"],
-            "host_store_bytes": out.get("host_store_bytes"), "rss_bytes": rss_bytes()}
+            "host_store_bytes": out.get("host_store_bytes"), "host_pinned_GiB": out.get("host_pinned_GiB"),
+            "rss_bytes": rss_bytes()}
 
 
 def gather_ranks(mine, world):

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,28 +188,42 @@ def test_a_tiny_llama_builds_and_trains_on_the_cpu():
     assert all(p.grad is not None for p in model.parameters())
 
 
+OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.72 GiB of which "
+               "1.02 GiB is free.")
+
+
 @pytest.fixture
 def fake_workers(monkeypatch):
-    """Every worker 'measures' a fixed result into its result file (stream fails); returns the
-    commands launched."""
+    """Every worker 'measures' a fixed result into its result file, except: stream fails, resident
+    writes an out-of-memory record, zero_offload dies of it on a rank other than 0 (no result),
+    offload_states runs past its timeout. Returns the (command, timeout) pairs launched."""
     launched, caches = [], []
 
-    def run(cmd, **kwargs):
+    def run(cmd, env, timeout):
         mode = cmd[cmd.index("--worker") + 1]
         out = cmd[cmd.index("--out") + 1]
         if launched:  # results are written after every mode: the previous one is on disk already
-            assert cmd_mode(launched[-1]) in json.loads(Path(out).read_text())["results"]
-        launched.append(cmd)
-        caches.append(kwargs["env"]["TORCHINDUCTOR_CACHE_DIR"])  # one inductor cache per mode, made afresh
+            assert cmd_mode(launched[-1][0]) in json.loads(Path(out).read_text())["results"]
+        launched.append((cmd, timeout))
+        caches.append(env["TORCHINDUCTOR_CACHE_DIR"])  # one inductor cache per mode, made afresh
         assert os.path.isdir(caches[-1]) and not os.listdir(caches[-1]) and len(set(caches)) == len(caches)
+        result_file = Path(cmd[cmd.index("--result-file") + 1])
         if mode == "stream":
-            return subprocess.CompletedProcess(cmd, 1, "Traceback\nRuntimeError: boom", None)
+            return "Traceback\nRuntimeError: boom", False
+        if mode == "resident":
+            result_file.write_text(json.dumps({"oom": True, "error": OOM_MESSAGE, "peak_before_GiB": 130.5,
+                                               "last_progress": "iteration 1 of 11", "params": 10}))
+            return "torch.OutOfMemoryError: " + OOM_MESSAGE, False
+        if mode == "zero_offload":
+            return f"[bench] zero_offload: model built at 3.0 s\n[rank1]: torch.OutOfMemoryError: {OOM_MESSAGE}\n", False
+        if mode == "offload_states":
+            return "[bench] offload_states: engine built at 9.0 s\n[bench] offload_states: iteration 2 of 11 at 99.0 s\n", True
         result = {"iter_s": 1.0, "step_s": 0.5, "pipelined_iter_s": 1.0, "peak_step_GiB": 1.0, "between_GiB": 1.0,
                   "params": 10}
-        Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps(result))
-        return subprocess.CompletedProcess(cmd, 0, "log of " + mode, None)
+        result_file.write_text(json.dumps(result))
+        return "log of " + mode, False
 
-    monkeypatch.setattr(driver.subprocess, "run", run)
+    monkeypatch.setattr(driver, "run_process", run)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     return launched
@@ -218,29 +233,99 @@ def cmd_mode(cmd):
     return cmd[cmd.index("--worker") + 1]
 
 
+def launched_modes(launched):
+    return [cmd_mode(cmd) for cmd, _ in launched]
+
+
 def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
     out = str(tmp_path / "b.json")
-    assert driver.main(["--out", out, "--modes", "resident,stream"]) == 0
+    assert driver.main(["--out", out, "--modes", "stream_overlap,stream"]) == 0
     first = json.loads(open(out).read())
-    assert "iter_s" in first["results"]["resident"] and "boom" in first["results"]["stream"]["error"]
-    assert [cmd_mode(c) for c in fake_workers] == ["resident", "stream"]
+    assert "iter_s" in first["results"]["stream_overlap"] and "boom" in first["results"]["stream"]["error"]
+    assert launched_modes(fake_workers) == ["stream_overlap", "stream"]
     assert (tmp_path / "b-stream.log").read_text() == "Traceback\nRuntimeError: boom"  # the whole output is kept
     # the failed mode and the new ones run again, the measured one is kept
-    assert driver.main(["--out", out, "--modes", "resident,stream,compile_sweep", "--budgets", "0,default",
+    assert driver.main(["--out", out, "--modes", "stream_overlap,stream,compile_sweep", "--budgets", "0,default",
                        "--resume"]) == 0
-    assert [cmd_mode(c) for c in fake_workers] == ["resident", "stream", "stream", "compile_offload@0",
-                                                    "compile_offload@default"]
-    assert set(json.loads(open(out).read())["results"]) == {"resident", "stream", "compile_offload@0",
+    assert launched_modes(fake_workers) == ["stream_overlap", "stream", "stream", "compile_offload@0",
+                                            "compile_offload@default"]
+    assert set(json.loads(open(out).read())["results"]) == {"stream_overlap", "stream", "compile_offload@0",
                                                             "compile_offload@default"}
     assert (tmp_path / "b-compile_offload_at_0.log").exists()
     # other arguments: not the same run, refused
-    assert driver.main(["--out", out, "--modes", "resident", "--iters", "3", "--resume"]) == 2
+    assert driver.main(["--out", out, "--modes", "stream_overlap", "--iters", "3", "--resume"]) == 2
+
+
+def test_a_record_older_than_an_argument_resumes_with_its_default(tmp_path, fake_workers):
+    out = tmp_path / "b.json"
+    assert driver.main(["--out", str(out), "--modes", "stream_overlap", "--model", "llama"]) == 0
+    old = json.loads(out.read_text())
+    for newer in ("grad_ckpt", "preset"):
+        del old["args"][newer]
+    out.write_text(json.dumps(old))
+    assert driver.main(["--out", str(out), "--modes", "stream_overlap", "--model", "llama", "--resume"]) == 0
+    assert launched_modes(fake_workers) == ["stream_overlap"]  # kept
+    assert driver.main(["--out", str(out), "--modes", "stream_overlap", "--model", "llama", "--grad-ckpt",
+                        "--resume"]) == 2
+
+
+def test_out_of_memory_and_timeouts_are_results(tmp_path, fake_workers):
+    """A mode out of GPU memory, whether its worker wrote the record or a rank died of it, and a mode
+    past its timeout are recorded; the run goes on, the table says which, a resume keeps the
+    out-of-memory ones (a result of these arguments) and runs the timed-out one again."""
+    out = tmp_path / "b.json"
+    argv = ["--out", str(out), "--modes", "resident,zero_offload,offload_states,stream_overlap",
+            "--timeout", "900,offload_states=30.5"]
+    assert driver.main(argv) == 0
+    assert [(cmd_mode(c), t) for c, t in fake_workers] == [("resident", 900), ("zero_offload", 900),
+                                                          ("offload_states", 30.5), ("stream_overlap", 900)]
+    res = json.loads(out.read_text())["results"]
+    assert res["resident"]["oom"] is True and res["resident"]["peak_before_GiB"] == 130.5
+    assert res["zero_offload"] == dict(res["zero_offload"], oom=True, error=OOM_MESSAGE, peak_before_GiB=None,
+                                       last_progress="model built at 3.0 s")
+    assert res["offload_states"]["timeout"] is True and res["offload_states"]["timeout_s"] == 30.5
+    assert res["offload_states"]["error"].startswith("timed out after 30.5 s (iteration 2 of 11 at 99.0 s)\n")
+    assert "iter_s" in res["stream_overlap"] and "overhead_s" not in res["stream_overlap"]  # no baseline figures
+    text = reporting.report(json.loads(out.read_text()))
+    assert "| resident | out of memory (peak 130.50 GiB before; iteration 1 of 11) |" in text
+    assert "| zero_offload | out of memory (model built at 3.0 s) |" in text
+    assert "| offload_states | timed out after 30.5 s (iteration 2 of 11 at 99.0 s) |" in text
+    assert f"resident: out of memory: {OOM_MESSAGE}" in text
+    assert driver.main(argv + ["--resume"]) == 0
+    assert launched_modes(fake_workers)[4:] == ["offload_states"]
+    for bad in ("0", "fast", "resident=-1", "compiled=60", "resident=", "=5"):
+        assert driver.main(["--out", str(out), "--modes", "resident", "--timeout", bad]) == 2
+
+
+def test_a_worker_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    """torchrun's ranks (here: a grandchild) must not outlive a timed-out worker: they hold the GPU."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "print('started', flush=True)\n"
+            "time.sleep(300)\n")
+    log, timed_out = driver.run_process([sys.executable, "-c", code], dict(os.environ), timeout=5)
+    assert timed_out and "started" in log
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # killed: gone, or a zombie until init reaps it
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the grandchild outlived the timeout")
+    assert driver.run_process([sys.executable, "-c", "print('done')"], dict(os.environ), timeout=60) == ("done\n", False)
 
 
 def test_several_ranks_run_through_torchrun(tmp_path, fake_workers):
     out = str(tmp_path / "b.json")
     assert driver.main(["--out", out, "--modes", "resident", "--ranks", "2"]) == 0
-    cmd = fake_workers[0]
+    cmd = fake_workers[0][0]
     assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert "--nproc_per_node=2" in cmd and cmd[cmd.index("-m", 3):][:2] == ["-m", "deepspeed_offload.bench"]
     assert driver.main(["--out", out, "--modes", "resident", "--ranks", "4"]) == 2  # 2 GPUs here
@@ -415,24 +500,77 @@ def check_worker_result(r, ranks):
     # every rank's host store, and the estimate for this model on this many ranks of one node
     assert r["host"]["store_bytes_per_node"] == r["host"]["estimate_pinned_per_node"] == -(-params // ranks) * 12 * ranks
     assert r["host"]["rss_bytes_per_node"] > r["host"]["store_bytes_per_node"]
+    # how long it took to start, and the host memory pinned (the store; torch's figure is CUDA's)
+    assert 0 < r["model_built_s"] < r["engine_built_s"]
+    assert r["host_pinned_GiB"] == r["host_store_bytes"] / 2**30 and r["torch_pinned_GiB"] is None
+    assert "attach_s" in r and "pin_s" in r and "pin_GiBps" in r
+    assert all(p["host_pinned_GiB"] > 0 for p in r["per_rank"])
 
 
 def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind):
-    """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap. Two at
-    once, the same mode, as two benches side by side (one per GPU) run them: each rank-0 rendezvous
-    needs a port of its own (one derived from the mode's name made the second fail, EADDRINUSE)."""
+    """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap, the
+    second with gradient checkpointing. Two at once, the same mode, as two benches side by side (one
+    per GPU) run them: each rank-0 rendezvous needs a port of its own (one derived from the mode's
+    name made the second fail, EADDRINUSE)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = start_worker(tmp_path / "a", [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"))
-    second = start_worker(tmp_path / "b", [sys.executable], "stream_overlap")
+    second = start_worker(tmp_path / "b", [sys.executable], "stream_overlap", "--grad-ckpt")
     results = finish_worker(*first), finish_worker(*second)
     for r in results:
         check_worker_result(r, 1)
     assert results[0]["timeline"] is None  # asked for, but the allocator trace is CUDA's
+    assert [r["grad_ckpt"] for r in results] == [False, True]
+    # every field a committed run's stream_overlap result has (the summary adds the overhead figures
+    # and the driver the wall time; the timeline is CUDA's)
+    committed = set().union(*(json.loads(p.read_text())["results"].get("stream_overlap", {}) for p in RUNS))
+    later = {"overhead_s", "overhead_over_floor", "hidden_share", "step_over_floor", "pipelined_overhead_s",
+             "pipelined_hidden_share", "wall_s", "timeline"}
+    assert "per_iter" in committed and committed - later - set(results[0]) == set()
+
+
+def test_a_worker_out_of_gpu_memory_writes_its_record(tmp_path, monkeypatch):
+    """The worker records running out of GPU memory (however wrapped) as its result, with what it
+    knew by then, and exits with OOM_EXIT; any other error is not a result."""
+    import torch
+
+    from deepspeed_offload.bench import worker
+    path = tmp_path / "r.json"
+    args = parse(*TINY_LLAMA, "--worker", "resident", "--result-file", str(path))
+
+    class Device:
+        def max_memory_allocated(self):
+            return 130.5 * 2**30
+
+    def run_mode(mode, args, acc, progress):
+        progress.facts.update(params=10, engine_built_s=42.0)
+        progress("iteration 1 of 11 (9.000 s)")
+        try:
+            raise torch.OutOfMemoryError(OOM_MESSAGE + "\nIncluding non-PyTorch memory, this process has ...")
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("a wrapper's message") from e
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(worker, "setup", Device)
+    monkeypatch.setattr(worker, "run_mode", run_mode)
+    assert worker.work(args) == worker.OOM_EXIT
+    assert json.loads(path.read_text()) == {"oom": True, "error": OOM_MESSAGE, "peak_before_GiB": 130.5,
+                                            "last_progress": "iteration 1 of 11 (9.000 s)", "params": 10,
+                                            "engine_built_s": 42.0}
+    assert worker.oom_error(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))  # older torch
+    path.unlink()
+
+    def fails(*_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(worker, "run_mode", fails)
+    with pytest.raises(RuntimeError, match="illegal"):
+        worker.work(args)
+    assert not path.exists()
 
 
 @pytest.mark.e2e
 def test_the_worker_runs_two_ranks_through_torchrun(tmp_path, no_shm_left_behind):
     """``--ranks 2``'s launch command, two gloo ranks on the CPU: rank 0 reports both ranks."""
-    r = run_worker(tmp_path, driver.launcher(parse("--ranks", "2")), "stream")
+    r = run_worker(tmp_path, driver.launcher(parse("--ranks", "2")), "stream@0")
     check_worker_result(r, 2)
