@@ -440,6 +440,45 @@ def test_every_chart_draws_from_synthetic_results(tmp_path):
     assert not (tmp_path / "s2.png").exists() and not (tmp_path / "t2.png").exists()
 
 
+def seven_b():
+    """A 7B run's results as the workers would write them: resident ZeRO-3 out of memory, our stream
+    modes at budgets 0 and 16, ZeRO-Offload measured, offload_states past its timeout."""
+    full = synthetic()
+
+    def r(it, peak):
+        return dict(full["stream"], iter_s=it, iter_s_min=it - 0.1, iter_s_max=it + 0.1, peak_iter_GiB=peak,
+                    params=6_738_415_616)
+    return {
+        "bandwidth": full["bandwidth"],
+        "resident": {"oom": True, "error": OOM_MESSAGE, "peak_before_GiB": 137.9, "last_progress": "engine built",
+                     "params": 6_738_415_616},
+        "stream@0": r(9.0, 60.0), "stream_overlap@0": r(8.0, 70.0), "stream@16": r(8.5, 76.0),
+        "stream_overlap@16": r(7.5, 86.0), "zero_offload": r(20.0, 50.0),
+        "offload_states": {"timeout": True, "timeout_s": 1200.0, "last_progress": "iteration 3 of 11 at 1100.0 s",
+                           "error": "timed out after 1200 s (iteration 3 of 11 at 1100.0 s)\n..."},
+    }
+
+
+def test_out_of_memory_rows_and_stream_budgets_in_the_report_and_charts(tmp_path, monkeypatch):
+    s = reporting.summarize(seven_b(), parse("--out", str(tmp_path / "b.json"), "--model", "llama"))
+    assert s["floor_s"] == pytest.approx(6_738_415_616 * 12 / 24e9)
+    assert not any("overhead_s" in r for r in s["results"].values())  # no resident figures to compare with
+    text = reporting.report(s)
+    assert "| resident | out of memory (peak 137.90 GiB before; engine built) |" in text
+    assert "| offload_states | timed out after 1200 s (iteration 3 of 11 at 1100.0 s) |" in text
+    assert "| stream_overlap@16 | 7.500 (7.400-7.600) |" in text
+    assert f"resident: out of memory: {OOM_MESSAGE}" in text
+    why = []
+    monkeypatch.setattr(charts, "_why", lambda ax, y, text: why.append(text))
+    charts.plot(s, tmp_path / "c.png")
+    assert why == ["timed out after 1200 s", "out of memory", "out of memory, peak 137.9 GiB before"]
+    assert charts.plot_sweep(s, tmp_path / "s.png")  # the stream lines, resident named as out of memory
+    assert png(tmp_path / "c.png") and png(tmp_path / "s.png")
+    s["results"] = {m: dict(r, timeline=synthetic()["stream"]["timeline"]) if "@" in m else r
+                    for m, r in s["results"].items()}
+    assert charts.plot_timeline(s, tmp_path / "t.png") and png(tmp_path / "t.png")
+
+
 def test_a_committed_run_measured_every_mode_it_asked_for():
     """docs/benchmarks.md's headline: one run in which every mode of its day produced figures."""
     def complete(run):
