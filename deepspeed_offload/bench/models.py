@@ -33,7 +33,8 @@ def resolve(args):
         args.preset = getattr(args, "preset", None) or DEFAULT_PRESET
         defaults.update(LLAMA_PRESETS[args.preset])
     else:
-        for flag, value in (("--preset", getattr(args, "preset", None)), ("--grad-ckpt", getattr(args, "grad_ckpt", False))):
+        given = {"--preset": getattr(args, "preset", None), "--grad-ckpt": getattr(args, "grad_ckpt", False)}
+        for flag, value in given.items():
             if value:
                 raise ValueError(f"{flag} is for --model llama")
     for k, v in defaults.items():

@@ -23,7 +23,8 @@ DEFAULT_MODES = ["bandwidth", "resident", "stream", "stream_overlap", "offload_s
 # Shorthand -> the family its --budgets entries expand into.
 SWEEPS = {"compile_sweep": "compile_offload", "stream_sweep": "stream", "stream_overlap_sweep": "stream_overlap"}
 # Older names -> (family, budget); "budget_gb" stands for --budget-gb.
-ALIASES = {"compile_offload": ("compile_offload", "default"), "compile_offload_budget": ("compile_offload", "budget_gb"),
+ALIASES = {"compile_offload": ("compile_offload", "default"),
+           "compile_offload_budget": ("compile_offload", "budget_gb"),
            "compile_offload_full": ("compile_offload", "0")}
 
 NOTHING = "nothing"
@@ -76,6 +77,7 @@ def _fixed(name, settings):
     """The modes with a fixed name; None for any other name."""
     dc = {"compile": {"deepcompile": True, "offload_opt_states": False}}
     dc_offload = {"compile": {"deepcompile": True, "offload_opt_states": True}}
+    zero_offload = {"device": "cpu", "pin_memory": True}
     table = {
         "bandwidth": dict(offloads=NOTHING, baseline="resident", probe=True),
         "resident": dict(offloads=NOTHING, baseline="resident", traced=True),
@@ -89,8 +91,7 @@ def _fixed(name, settings):
         "offload_states": dict(offloads="optimizer states and fp32 masters (engine.offload_states)",
                                baseline="resident", reload_states=True),
         "zero_offload": dict(offloads="optimizer states, fp32 masters and the step (ZeRO-Offload, CPU Adam)",
-                             baseline="resident",
-                             config={"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}}),
+                             baseline="resident", config={"zero_optimization": {"offload_optimizer": zero_offload}}),
         "checkpoint": dict(offloads=OUR_STATE, baseline="resident", checkpoint=True,
                            config=_stream_block(settings, async_checkpoint=True)),
         "compiled": dict(offloads=NOTHING, baseline="resident", compiled=True, config=dc),

@@ -1,8 +1,9 @@
-"""The bench, without a GPU: each mode's ds_config, the mode list, the driver (a run cut short
-resumed, a failed mode recorded, the torchrun command for several ranks), the summary's floor and
-hidden share, the memory timeline rebuilt from a synthetic allocator trace, every chart from
-synthetic and committed results, the llama model at a tiny size, and the worker itself on the CPU
-(one rank, and two ranks through torchrun)."""
+"""The bench, without a GPU: each mode's ds_config (stream@B included), the mode list, the llama
+presets and gradient checkpointing, the driver (a run cut short resumed, a failed, out-of-memory or
+timed-out mode recorded, a timed-out worker killed with its children, the torchrun command for
+several ranks), the summary's floor and hidden share, the memory timeline rebuilt from a synthetic
+allocator trace, every chart from synthetic and committed results, the llama model at a tiny size,
+and the worker itself on the CPU (one rank, and two ranks through torchrun; its out-of-memory record)."""
 
 import json
 import math
@@ -215,9 +216,11 @@ def fake_workers(monkeypatch):
                                                "last_progress": "iteration 1 of 11", "params": 10}))
             return "torch.OutOfMemoryError: " + OOM_MESSAGE, False
         if mode == "zero_offload":
-            return f"[bench] zero_offload: model built at 3.0 s\n[rank1]: torch.OutOfMemoryError: {OOM_MESSAGE}\n", False
+            return (f"[bench] zero_offload: model built at 3.0 s\n[rank1]: torch.OutOfMemoryError: {OOM_MESSAGE}\n",
+                    False)
         if mode == "offload_states":
-            return "[bench] offload_states: engine built at 9.0 s\n[bench] offload_states: iteration 2 of 11 at 99.0 s\n", True
+            return ("[bench] offload_states: engine built at 9.0 s\n"
+                    "[bench] offload_states: iteration 2 of 11 at 99.0 s\n", True)
         result = {"iter_s": 1.0, "step_s": 0.5, "pipelined_iter_s": 1.0, "peak_step_GiB": 1.0, "between_GiB": 1.0,
                   "params": 10}
         result_file.write_text(json.dumps(result))
@@ -319,7 +322,8 @@ def test_a_worker_past_its_timeout_is_killed_with_what_it_started(tmp_path):
     else:
         os.kill(pid, 9)
         pytest.fail("the grandchild outlived the timeout")
-    assert driver.run_process([sys.executable, "-c", "print('done')"], dict(os.environ), timeout=60) == ("done\n", False)
+    done = driver.run_process([sys.executable, "-c", "print('done')"], dict(os.environ), timeout=60)
+    assert done == ("done\n", False)
 
 
 def test_several_ranks_run_through_torchrun(tmp_path, fake_workers):
