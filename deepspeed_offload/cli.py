@@ -86,7 +86,7 @@ def cmd_estimate(ns) -> int:
                 sub_group_mb, budget_gb = plan.offload.sub_group_mb, plan.offload.memory_budget_gb
         bandwidth, measured = ns.bandwidth, False
         if bandwidth is None:
-            from .bench import measure_bandwidth
+            from .bandwidth import measure_bandwidth
             bandwidth, measured = measure_bandwidth(), True
         if bandwidth is None:
             raise ConfigError("--bandwidth", "no CUDA device here to measure the host-device bandwidth: pass "

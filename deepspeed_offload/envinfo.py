@@ -3,7 +3,7 @@
 Like ``ds_report`` and ``accelerate env``, but about what offload depends on: the versions of the
 stack, the accelerator, how much host memory can be pinned (``ulimit -l``, MemAvailable, the cgroup
 limit, a real 64 MiB pin on a GPU), /dev/shm, the pinned copy bandwidth each way and both at once
-(measured with ``bench.bandwidth``, the benchmark's own probe), and whether DeepCompile can load for
+(measured with ``bandwidth.bandwidth``, the benchmark's own probe), and whether DeepCompile can load for
 compile mode.
 
 Each probe is one key. A probe with nothing to measure here (no CUDA device, a package not installed)
@@ -33,7 +33,7 @@ from importlib import metadata
 from .host_memory import HostMemory, format_bytes, gpu_bus_id, meminfo, numa_nodes, pci_numa_node
 
 PIN_TEST_BYTES = 64 * 2**20
-# bench.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
+# bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
 BANDWIDTH_GIB = 1
 BUILD_ENV = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR",
              "DS_BUILD_OPS")
@@ -217,8 +217,8 @@ def probe_pinned_bandwidth():
     """The benchmark's own probe: GB/s host to device, device to host, each way with both at once,
     and pageable host to device for comparison."""
     _need_cuda()
-    from .bench import bandwidth
-    return bandwidth(argparse.Namespace(bw_gib=BANDWIDTH_GIB))
+    from .bandwidth import bandwidth
+    return bandwidth(BANDWIDTH_GIB)
 
 
 def probe_deepcompile():

@@ -1,20 +1,24 @@
-"""The bench, without a GPU: each mode's ds_config, the mode list, the driver (a run cut short
-resumed, a failed mode recorded, the torchrun command for several ranks), the summary's floor and
-hidden share, the memory timeline rebuilt from a synthetic allocator trace, every chart from
-synthetic and committed results, the llama model at a tiny size, and the worker itself on the CPU
-(one rank, and two ranks through torchrun)."""
+"""The bench, without a GPU: each mode's ds_config (stream@B included), the mode list, the llama
+presets and gradient checkpointing, the driver (a run cut short resumed, a failed, out-of-memory or
+timed-out mode recorded, a timed-out worker killed with its children, the torchrun command for
+several ranks), the summary's floor and hidden share, the memory timeline rebuilt from a synthetic
+allocator trace, every chart from synthetic and committed results, the llama model at a tiny size,
+and the worker itself on the CPU (one rank, and two ranks through torchrun; its out-of-memory record)."""
 
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from bench_runs import RUNS
-from deepspeed_offload import bench
+from deepspeed_offload.bench import charts, driver, models, modes, options
+from deepspeed_offload.bench import report as reporting
+from deepspeed_offload.bench import timeline
 from deepspeed_offload.config import OffloadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,48 +27,86 @@ TINY_LLAMA = ["--model", "llama", "--layers", "2", "--hidden", "64", "--intermed
 
 
 def parse(*argv):
-    return bench.resolve(bench.build_parser().parse_args(list(argv)))
+    return options.resolve(options.build_parser().parse_args(list(argv)))
+
+
+def expand(spec, budgets="0,8,16,32,default"):
+    """The names ``--modes spec --budgets budgets`` runs."""
+    return [m.name for m in modes.expand(spec, parse("--budgets", budgets))]
+
+
+def config(name, args):
+    return modes.ds_config(modes.describe(name, args), args)
 
 
 def test_every_mode_has_a_config_and_a_baseline():
     args = parse()
-    modes = bench.expand_modes("all", args.budgets) + bench.MODES[1:]
-    for mode in modes:
-        cfg = bench.ds_config(mode, args)
+    names = expand("all", args.budgets) + modes.FIXED + list(modes.ALIASES)
+    for name in names:
+        cfg = config(name, args)
         assert cfg["zero_optimization"]["stage"] == 3
         block = cfg.get("optimizer_state_offload")
         if block is not None:
             OffloadConfig(**block)  # the keys and types our config accepts
-        assert bench.baseline(mode) in modes
-    block = {m: bench.ds_config(m, args)["optimizer_state_offload"] for m in ("stream", "stream_overlap")}
+        assert modes.describe(name, args).baseline in names
+    block = {m: config(m, args)["optimizer_state_offload"] for m in ("stream", "stream_overlap")}
     assert block["stream"]["overlap"] is False and block["stream_overlap"]["overlap"] is True
     assert block["stream"]["memory_budget_gb"] == block["stream_overlap"]["memory_budget_gb"] == 0
-    assert bench.ds_config("stream_overlap", parse("--overlap-memory-gb", "3"))[
+    assert config("stream_overlap", parse("--overlap-memory-gb", "3"))[
         "optimizer_state_offload"]["overlap_memory_gb"] == 3.0
-    budget = {m: bench.ds_config(m, args)["optimizer_state_offload"]["memory_budget_gb"]
+    budget = {m: config(m, args)["optimizer_state_offload"]["memory_budget_gb"]
               for m in ("compile_offload", "compile_offload_budget", "compile_offload_full", "compile_offload@8",
                         "compile_offload@default")}
     assert budget == {"compile_offload": None, "compile_offload_budget": args.budget_gb, "compile_offload_full": 0,
                       "compile_offload@8": 8.0, "compile_offload@default": None}
-    assert "optimizer_state_offload" not in bench.ds_config("dc_offload_opt_states", args)
-    assert bench.ds_config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
+    assert "optimizer_state_offload" not in config("dc_offload_opt_states", args)
+    assert config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
 
 
 def test_the_budget_sweep_is_one_run_of_several_modes():
-    modes = bench.expand_modes("all", "0,8,16,32,default")
-    sweep = [m for m in modes if m.startswith("compile_offload@")]
+    names = expand("all", "0,8,16,32,default")
+    sweep = [m for m in names if m.startswith("compile_offload@")]
     assert sweep == ["compile_offload@0", "compile_offload@8", "compile_offload@16", "compile_offload@32",
                      "compile_offload@default"]
-    assert modes.index("compiled") < modes.index(sweep[0]) < modes.index("dc_offload_opt_states")
-    assert {"stream", "stream_overlap", "bandwidth", "resident"} <= set(modes)
-    assert bench.expand_modes("resident,compile_sweep,resident", "4") == ["resident", "compile_offload@4"]
-    for bad, budgets in (("strem", "0"), ("compile_offload@lots", "0"), ("compile_sweep", "0,-1")):
+    assert names.index("compiled") < names.index(sweep[0]) < names.index("dc_offload_opt_states")
+    assert {"stream", "stream_overlap", "bandwidth", "resident"} <= set(names)
+    assert expand("resident,compile_sweep,resident", "4") == ["resident", "compile_offload@4"]
+    for bad, budgets in (("strem", "0"), ("compile_offload@lots", "0"), ("compile_sweep", "0,-1"),
+                         ("compile_offload@", "0")):
         with pytest.raises(ValueError):
-            bench.expand_modes(bad, budgets)
+            expand(bad, budgets)
+
+
+def test_stream_modes_at_a_resident_budget():
+    """stream@B (overlap off) and stream_overlap@B (overlap on) are stream mode with memory_budget_gb
+    B (default: null); stream and stream_overlap are the same at budget 0."""
+    args = parse("--overlap-memory-gb", "2")
+    block = {m: config(m, args)["optimizer_state_offload"]
+             for m in ("stream", "stream_overlap", "stream@0", "stream_overlap@0", "stream@16", "stream_overlap@16",
+                       "stream@default", "stream_overlap@default", "stream@2.5")}
+    for b in block.values():
+        OffloadConfig(**b)
+    assert block["stream@0"] == block["stream"] and block["stream_overlap@0"] == block["stream_overlap"]
+    assert block["stream@16"] == dict(block["stream"], memory_budget_gb=16.0)
+    assert block["stream_overlap@16"] == dict(block["stream_overlap"], memory_budget_gb=16.0)
+    assert block["stream_overlap@16"]["overlap"] is True and block["stream_overlap@16"]["overlap_memory_gb"] == 2.0
+    assert block["stream@default"]["memory_budget_gb"] is None and block["stream@2.5"]["memory_budget_gb"] == 2.5
+    for name in ("stream@16", "stream_overlap@default"):
+        mode = modes.describe(name, args)
+        assert (mode.baseline, mode.against_floor, mode.traced, mode.compiled, mode.ours) == \
+            ("resident", True, True, False, True)
+        assert "compile" not in config(name, args)
+    assert modes.describe("stream@16", args).budget_label == "16 GiB"
+    assert modes.describe("stream_overlap@default", args).budget_label == "default"
+    assert expand("resident,stream_sweep,stream_overlap_sweep", "0,16") == [
+        "resident", "stream@0", "stream@16", "stream_overlap@0", "stream_overlap@16"]
+    for bad in ("stream@lots", "stream@", "stream@-1", "stream_prefetch@4", "resident@0"):
+        with pytest.raises(ValueError):
+            expand(bad)
 
 
 def test_a_bad_mode_is_refused_before_anything_runs(capsys):
-    assert bench.main(["--modes", "resident,strem"]) == 2
+    assert driver.main(["--modes", "resident,strem"]) == 2
     assert "strem" in capsys.readouterr().err
 
 
@@ -75,47 +117,116 @@ def test_llama_defaults_are_tinyllama_and_flags_override():
     assert parse("--model", "llama", "--layers", "4", "--seq", "512").layers == 4
     mlp = parse()
     assert (mlp.layers, mlp.hidden) == (64, 4096)
-    assert bench.ds_config("resident", args)["train_micro_batch_size_per_gpu"] == 8
+    assert config("resident", args)["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_llama_presets_set_the_shape_and_flags_still_override():
+    shape = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq")
+
+    def sizes(*argv):
+        args = parse("--model", "llama", *argv)
+        return tuple(getattr(args, k) for k in shape)
+
+    assert sizes() == sizes("--preset", "tinyllama") == (22, 2048, 5632, 32, 4, 32000, 8, 2048)
+    assert parse("--model", "llama").preset == "tinyllama"
+    assert sizes("--preset", "llama2-7b") == (32, 4096, 11008, 32, 32, 32000, 8, 2048)
+    assert sizes("--preset", "llama3-8b") == (32, 4096, 14336, 32, 8, 128256, 8, 2048)
+    assert sizes("--preset", "llama3-8b", "--layers", "4", "--batch", "2", "--seq", "4096", "--vocab", "1000") == \
+        (4, 4096, 14336, 32, 8, 1000, 2, 4096)
+    with pytest.raises(SystemExit):
+        parse("--model", "llama", "--preset", "llama4")
+    for flags in (["--preset", "llama2-7b"], ["--grad-ckpt"]):  # the MLPs have neither
+        with pytest.raises(ValueError, match=flags[0]):
+            parse(*flags)
+        assert driver.main(["--modes", "resident", *flags]) == 2
+
+
+def test_the_7b_preset_has_7b_parameters():
+    """The presets are the published shapes: parameter counts from the config alone (nothing built)."""
+    def count(preset):
+        a = parse("--model", "llama", "--preset", preset)
+        kv = a.hidden // a.heads * a.kv_heads
+        layer = 2 * a.hidden * a.hidden + 2 * a.hidden * kv + 3 * a.hidden * a.intermediate + 2 * a.hidden
+        return 2 * a.vocab * a.hidden + a.layers * layer + a.hidden
+
+    assert count("llama2-7b") == 6_738_415_616  # Llama-2-7b-hf
+    assert count("llama3-8b") == 8_030_261_248  # Meta-Llama-3-8B
+    assert count("tinyllama") == 1_100_048_384  # TinyLlama-1.1B
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """--grad-ckpt: every decoder layer recomputed in backward (non-reentrant), the loss and every
+    gradient as without it."""
+    import torch
+    grads = []
+    for flags in ([], ["--grad-ckpt"]):
+        torch.manual_seed(0)
+        args = parse(*TINY_LLAMA, *flags)
+        model = models.build_llama(args)
+        layers = model.model.layers
+        assert all(getattr(layer, "gradient_checkpointing", False) for layer in layers) == bool(flags)
+        torch.manual_seed(1)
+        loss = models.make_loss(args, "cpu")(model)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
 
 
 def test_a_tiny_llama_builds_and_trains_on_the_cpu():
     args = parse(*TINY_LLAMA)
-    model = bench.build_llama(args)
+    model = models.build_llama(args)
     h, i, v, L, kv = 64, 176, 128, 2, 2 * 64 // 4
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q,o; k,v; gate,up,down; two norms
     assert sum(p.numel() for p in model.parameters()) == 2 * v * h + L * per_layer + h
     assert model.config._attn_implementation == "sdpa" and model.config.use_cache is False
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert not model.config.tie_word_embeddings
-    loss_of = bench.make_loss(args, "cpu")
+    loss_of = models.make_loss(args, "cpu")
     loss = loss_of(model)
     loss.backward()
     assert math.isfinite(loss.item()) and loss.item() > 0
     assert all(p.grad is not None for p in model.parameters())
 
 
+OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.72 GiB of which "
+               "1.02 GiB is free.")
+
+
 @pytest.fixture
 def fake_workers(monkeypatch):
-    """Every worker 'measures' a fixed result into its result file (stream fails); returns the
-    commands launched."""
+    """Every worker 'measures' a fixed result into its result file, except: stream fails, resident
+    writes an out-of-memory record, zero_offload dies of it on a rank other than 0 (no result),
+    offload_states runs past its timeout. Returns the (command, timeout) pairs launched."""
     launched, caches = [], []
 
-    def run(cmd, **kwargs):
+    def run(cmd, env, timeout):
         mode = cmd[cmd.index("--worker") + 1]
         out = cmd[cmd.index("--out") + 1]
         if launched:  # results are written after every mode: the previous one is on disk already
-            assert cmd_mode(launched[-1]) in json.loads(Path(out).read_text())["results"]
-        launched.append(cmd)
-        caches.append(kwargs["env"]["TORCHINDUCTOR_CACHE_DIR"])  # one inductor cache per mode, made afresh
+            assert cmd_mode(launched[-1][0]) in json.loads(Path(out).read_text())["results"]
+        launched.append((cmd, timeout))
+        caches.append(env["TORCHINDUCTOR_CACHE_DIR"])  # one inductor cache per mode, made afresh
         assert os.path.isdir(caches[-1]) and not os.listdir(caches[-1]) and len(set(caches)) == len(caches)
+        result_file = Path(cmd[cmd.index("--result-file") + 1])
         if mode == "stream":
-            return subprocess.CompletedProcess(cmd, 1, "Traceback\nRuntimeError: boom", None)
+            return "Traceback\nRuntimeError: boom", False
+        if mode == "resident":
+            result_file.write_text(json.dumps({"oom": True, "error": OOM_MESSAGE, "peak_before_GiB": 130.5,
+                                               "last_progress": "iteration 1 of 11", "params": 10}))
+            return "torch.OutOfMemoryError: " + OOM_MESSAGE, False
+        if mode == "zero_offload":
+            return (f"[bench] zero_offload: model built at 3.0 s\n[rank1]: torch.OutOfMemoryError: {OOM_MESSAGE}\n",
+                    False)
+        if mode == "offload_states":
+            return ("[bench] offload_states: engine built at 9.0 s\n"
+                    "[bench] offload_states: iteration 2 of 11 at 99.0 s\n", True)
         result = {"iter_s": 1.0, "step_s": 0.5, "pipelined_iter_s": 1.0, "peak_step_GiB": 1.0, "between_GiB": 1.0,
                   "params": 10}
-        Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps(result))
-        return subprocess.CompletedProcess(cmd, 0, "log of " + mode, None)
+        result_file.write_text(json.dumps(result))
+        return "log of " + mode, False
 
-    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr(driver, "run_process", run)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     return launched
@@ -125,39 +236,110 @@ def cmd_mode(cmd):
     return cmd[cmd.index("--worker") + 1]
 
 
+def launched_modes(launched):
+    return [cmd_mode(cmd) for cmd, _ in launched]
+
+
 def test_a_run_cut_short_resumes_where_it_stopped(tmp_path, fake_workers):
     out = str(tmp_path / "b.json")
-    assert bench.main(["--out", out, "--modes", "resident,stream"]) == 0
+    assert driver.main(["--out", out, "--modes", "stream_overlap,stream"]) == 0
     first = json.loads(open(out).read())
-    assert "iter_s" in first["results"]["resident"] and "boom" in first["results"]["stream"]["error"]
-    assert [cmd_mode(c) for c in fake_workers] == ["resident", "stream"]
+    assert "iter_s" in first["results"]["stream_overlap"] and "boom" in first["results"]["stream"]["error"]
+    assert launched_modes(fake_workers) == ["stream_overlap", "stream"]
     assert (tmp_path / "b-stream.log").read_text() == "Traceback\nRuntimeError: boom"  # the whole output is kept
     # the failed mode and the new ones run again, the measured one is kept
-    assert bench.main(["--out", out, "--modes", "resident,stream,compile_sweep", "--budgets", "0,default",
+    assert driver.main(["--out", out, "--modes", "stream_overlap,stream,compile_sweep", "--budgets", "0,default",
                        "--resume"]) == 0
-    assert [cmd_mode(c) for c in fake_workers] == ["resident", "stream", "stream", "compile_offload@0",
-                                                    "compile_offload@default"]
-    assert set(json.loads(open(out).read())["results"]) == {"resident", "stream", "compile_offload@0",
+    assert launched_modes(fake_workers) == ["stream_overlap", "stream", "stream", "compile_offload@0",
+                                            "compile_offload@default"]
+    assert set(json.loads(open(out).read())["results"]) == {"stream_overlap", "stream", "compile_offload@0",
                                                             "compile_offload@default"}
     assert (tmp_path / "b-compile_offload_at_0.log").exists()
     # other arguments: not the same run, refused
-    assert bench.main(["--out", out, "--modes", "resident", "--iters", "3", "--resume"]) == 2
+    assert driver.main(["--out", out, "--modes", "stream_overlap", "--iters", "3", "--resume"]) == 2
+
+
+def test_a_record_older_than_an_argument_resumes_with_its_default(tmp_path, fake_workers):
+    out = tmp_path / "b.json"
+    assert driver.main(["--out", str(out), "--modes", "stream_overlap", "--model", "llama"]) == 0
+    old = json.loads(out.read_text())
+    for newer in ("grad_ckpt", "preset"):
+        del old["args"][newer]
+    out.write_text(json.dumps(old))
+    assert driver.main(["--out", str(out), "--modes", "stream_overlap", "--model", "llama", "--resume"]) == 0
+    assert launched_modes(fake_workers) == ["stream_overlap"]  # kept
+    assert driver.main(["--out", str(out), "--modes", "stream_overlap", "--model", "llama", "--grad-ckpt",
+                        "--resume"]) == 2
+
+
+def test_out_of_memory_and_timeouts_are_results(tmp_path, fake_workers):
+    """A mode out of GPU memory, whether its worker wrote the record or a rank died of it, and a mode
+    past its timeout are recorded; the run goes on, the table says which, a resume keeps the
+    out-of-memory ones (a result of these arguments) and runs the timed-out one again."""
+    out = tmp_path / "b.json"
+    argv = ["--out", str(out), "--modes", "resident,zero_offload,offload_states,stream_overlap",
+            "--timeout", "900,offload_states=30.5"]
+    assert driver.main(argv) == 0
+    assert [(cmd_mode(c), t) for c, t in fake_workers] == [("resident", 900), ("zero_offload", 900),
+                                                          ("offload_states", 30.5), ("stream_overlap", 900)]
+    res = json.loads(out.read_text())["results"]
+    assert res["resident"]["oom"] is True and res["resident"]["peak_before_GiB"] == 130.5
+    assert res["zero_offload"] == dict(res["zero_offload"], oom=True, error=OOM_MESSAGE, peak_before_GiB=None,
+                                       last_progress="model built at 3.0 s")
+    assert res["offload_states"]["timeout"] is True and res["offload_states"]["timeout_s"] == 30.5
+    assert res["offload_states"]["error"].startswith("timed out after 30.5 s (iteration 2 of 11 at 99.0 s)\n")
+    assert "iter_s" in res["stream_overlap"] and "overhead_s" not in res["stream_overlap"]  # no baseline figures
+    text = reporting.report(json.loads(out.read_text()))
+    assert "| resident | out of memory (peak 130.50 GiB before; iteration 1 of 11) |" in text
+    assert "| zero_offload | out of memory (model built at 3.0 s) |" in text
+    assert "| offload_states | timed out after 30.5 s (iteration 2 of 11 at 99.0 s) |" in text
+    assert f"resident: out of memory: {OOM_MESSAGE}" in text
+    assert driver.main(argv + ["--resume"]) == 0
+    assert launched_modes(fake_workers)[4:] == ["offload_states"]
+    for bad in ("0", "fast", "resident=-1", "compiled=60", "resident=", "=5"):
+        assert driver.main(["--out", str(out), "--modes", "resident", "--timeout", bad]) == 2
+
+
+def test_a_worker_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    """torchrun's ranks (here: a grandchild) must not outlive a timed-out worker: they hold the GPU."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "print('started', flush=True)\n"
+            "time.sleep(300)\n")
+    log, timed_out = driver.run_process([sys.executable, "-c", code], dict(os.environ), timeout=5)
+    assert timed_out and "started" in log
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # killed: gone, or a zombie until init reaps it
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("the grandchild outlived the timeout")
+    done = driver.run_process([sys.executable, "-c", "print('done')"], dict(os.environ), timeout=60)
+    assert done == ("done\n", False)
 
 
 def test_several_ranks_run_through_torchrun(tmp_path, fake_workers):
     out = str(tmp_path / "b.json")
-    assert bench.main(["--out", out, "--modes", "resident", "--ranks", "2"]) == 0
-    cmd = fake_workers[0]
+    assert driver.main(["--out", out, "--modes", "resident", "--ranks", "2"]) == 0
+    cmd = fake_workers[0][0]
     assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert "--nproc_per_node=2" in cmd and cmd[cmd.index("-m", 3):][:2] == ["-m", "deepspeed_offload.bench"]
-    assert bench.main(["--out", out, "--modes", "resident", "--ranks", "4"]) == 2  # 2 GPUs here
+    assert driver.main(["--out", out, "--modes", "resident", "--ranks", "4"]) == 2  # 2 GPUs here
 
 
 def test_the_cli_namespace_is_summarized(tmp_path):
     """``deepspeed-offload bench`` passes a namespace with the CLI's own entries (a function among them)."""
     from deepspeed_offload.cli import build_parser
     ns = build_parser().parse_args(["bench", "--out", str(tmp_path / "b.json"), "--model", "llama"])
-    bench.summarize({}, bench.resolve(ns))
+    reporting.summarize({}, options.resolve(ns))
     written = json.loads((tmp_path / "b.json").read_text())["args"]
     assert written["model"] == "llama" and written["hidden"] == 2048 and "func" not in written
 
@@ -194,7 +376,7 @@ def synthetic(ranks=1):
 
 def test_the_floor_and_the_share_of_it_hidden(tmp_path):
     args = parse("--out", str(tmp_path / "b.json"))
-    s = bench.summarize(synthetic(), args)
+    s = reporting.summarize(synthetic(), args)
     assert s["floor_s"] == pytest.approx(0.5)
     res = s["results"]
     assert res["stream"]["hidden_share"] == pytest.approx(0.0)  # 0.5 s over resident: nothing hidden
@@ -203,9 +385,9 @@ def test_the_floor_and_the_share_of_it_hidden(tmp_path):
     assert res["stream_overlap"]["pipelined_hidden_share"] == pytest.approx(0.6)
     assert "hidden_share" not in res["resident"] and "hidden_share" not in res["compiled"]
     # two ranks: each holds half the state, at the bandwidth measured with both copying
-    s2 = bench.summarize(synthetic(2), parse("--out", str(tmp_path / "c.json"), "--ranks", "2"))
+    s2 = reporting.summarize(synthetic(2), parse("--out", str(tmp_path / "c.json"), "--ranks", "2"))
     assert s2["floor_s"] == pytest.approx(0.25)
-    text = bench.report(s2)
+    text = reporting.report(s2)
     assert "rank 1: alone H2D/D2H/both 30.0/30.0/25.0, all ranks at once 28.0/28.0/24.0" in text
     assert "stream_overlap: host per node (2 ranks)" in text
     assert "| zero_offload | failed: RuntimeError: out of / memory |" in text
@@ -226,14 +408,14 @@ def test_the_timeline_is_rebuilt_from_the_allocator_trace():
              entry("free_completed", 1600, 3 * 10**9),  # the same microsecond: the peak stays
              entry("free_completed", 2500, 2 * 10**9),
              entry("alloc", 3100, 10**9)]  # after the iteration
-    tl = bench.timeline_from_trace(trace, marks, base_bytes=5 * 10**9)
-    assert [round(y * bench.GiB / 1e9) for y in tl["allocated_GiB"]] == [5, 7, 10, 7, 5, 5]
+    tl = timeline.timeline_from_trace(trace, marks, base_bytes=5 * 10**9)
+    assert [round(y * timeline.GiB / 1e9) for y in tl["allocated_GiB"]] == [5, 7, 10, 7, 5, 5]
     assert tl["t_s"] == pytest.approx([0, 0.0001, 0.0006, 0.0006, 0.0015, 0.002])
-    assert tl["peak_GiB"] == pytest.approx(10e9 / bench.GiB) and tl["events"] == 4
+    assert tl["peak_GiB"] == pytest.approx(10e9 / timeline.GiB) and tl["events"] == 4
     assert tl["marks_s"] == {"forward": 0, "backward": 0.0005, "step": 0.001, "end": 0.002}
     assert not tl["truncated"]
     # a ring buffer that wrapped before the iteration ended is flagged
-    assert bench.timeline_from_trace(trace[2:4], marks, 0, max_entries=2)["truncated"]
+    assert timeline.timeline_from_trace(trace[2:4], marks, 0, max_entries=2)["truncated"]
 
 
 def test_a_long_timeline_keeps_its_peak():
@@ -241,9 +423,9 @@ def test_a_long_timeline_keeps_its_peak():
     trace = [entry("alloc" if k % 2 == 0 else "free_completed", 10 + k, 10**6) for k in range(n)]
     trace.insert(5001, entry("alloc", 5011, 10**9))
     trace.insert(5002, entry("free_completed", 5011, 10**9))
-    tl = bench.timeline_from_trace(trace, {"forward": 0, "end": 20_000}, 0, max_points=500)
+    tl = timeline.timeline_from_trace(trace, {"forward": 0, "end": 20_000}, 0, max_points=500)
     assert len(tl["t_s"]) <= 502
-    assert max(tl["allocated_GiB"]) == pytest.approx(tl["peak_GiB"]) == pytest.approx((10**9 + 10**6) / bench.GiB)
+    assert max(tl["allocated_GiB"]) == pytest.approx(tl["peak_GiB"]) == pytest.approx((10**9 + 10**6) / timeline.GiB)
     assert tl["t_s"] == sorted(tl["t_s"])
 
 
@@ -252,14 +434,53 @@ def png(path):
 
 
 def test_every_chart_draws_from_synthetic_results(tmp_path):
-    s = bench.summarize(synthetic(), parse("--out", str(tmp_path / "b.json")))
-    bench.plot(s, tmp_path / "c.png")
-    assert bench.plot_sweep(s, tmp_path / "s.png") and bench.plot_timeline(s, tmp_path / "t.png")
+    s = reporting.summarize(synthetic(), parse("--out", str(tmp_path / "b.json")))
+    charts.plot(s, tmp_path / "c.png")
+    assert charts.plot_sweep(s, tmp_path / "s.png") and charts.plot_timeline(s, tmp_path / "t.png")
     assert png(tmp_path / "c.png") and png(tmp_path / "s.png") and png(tmp_path / "t.png")
     bare = dict(s, results={"resident": s["results"]["resident"]})
     bare["results"]["resident"] = dict(bare["results"]["resident"], timeline=None)
-    assert not bench.plot_sweep(bare, tmp_path / "s2.png") and not bench.plot_timeline(bare, tmp_path / "t2.png")
+    assert not charts.plot_sweep(bare, tmp_path / "s2.png") and not charts.plot_timeline(bare, tmp_path / "t2.png")
     assert not (tmp_path / "s2.png").exists() and not (tmp_path / "t2.png").exists()
+
+
+def seven_b():
+    """A 7B run's results as the workers would write them: resident ZeRO-3 out of memory, our stream
+    modes at budgets 0 and 16, ZeRO-Offload measured, offload_states past its timeout."""
+    full = synthetic()
+
+    def r(it, peak):
+        return dict(full["stream"], iter_s=it, iter_s_min=it - 0.1, iter_s_max=it + 0.1, peak_iter_GiB=peak,
+                    params=6_738_415_616)
+    return {
+        "bandwidth": full["bandwidth"],
+        "resident": {"oom": True, "error": OOM_MESSAGE, "peak_before_GiB": 137.9, "last_progress": "engine built",
+                     "params": 6_738_415_616},
+        "stream@0": r(9.0, 60.0), "stream_overlap@0": r(8.0, 70.0), "stream@16": r(8.5, 76.0),
+        "stream_overlap@16": r(7.5, 86.0), "zero_offload": r(20.0, 50.0),
+        "offload_states": {"timeout": True, "timeout_s": 1200.0, "last_progress": "iteration 3 of 11 at 1100.0 s",
+                           "error": "timed out after 1200 s (iteration 3 of 11 at 1100.0 s)\n..."},
+    }
+
+
+def test_out_of_memory_rows_and_stream_budgets_in_the_report_and_charts(tmp_path, monkeypatch):
+    s = reporting.summarize(seven_b(), parse("--out", str(tmp_path / "b.json"), "--model", "llama"))
+    assert s["floor_s"] == pytest.approx(6_738_415_616 * 12 / 24e9)
+    assert not any("overhead_s" in r for r in s["results"].values())  # no resident figures to compare with
+    text = reporting.report(s)
+    assert "| resident | out of memory (peak 137.90 GiB before; engine built) |" in text
+    assert "| offload_states | timed out after 1200 s (iteration 3 of 11 at 1100.0 s) |" in text
+    assert "| stream_overlap@16 | 7.500 (7.400-7.600) |" in text
+    assert f"resident: out of memory: {OOM_MESSAGE}" in text
+    why = []
+    monkeypatch.setattr(charts, "_why", lambda ax, y, text: why.append(text))
+    charts.plot(s, tmp_path / "c.png")
+    assert why == ["timed out after 1200 s", "out of memory", "out of memory, peak 137.9 GiB before"]
+    assert charts.plot_sweep(s, tmp_path / "s.png")  # the stream lines, resident named as out of memory
+    assert png(tmp_path / "c.png") and png(tmp_path / "s.png")
+    s["results"] = {m: dict(r, timeline=synthetic()["stream"]["timeline"]) if "@" in m else r
+                    for m, r in s["results"].items()}
+    assert charts.plot_timeline(s, tmp_path / "t.png") and png(tmp_path / "t.png")
 
 
 def test_a_committed_run_measured_every_mode_it_asked_for():
@@ -275,7 +496,7 @@ def test_a_committed_run_measured_every_mode_it_asked_for():
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: p.name)
 def test_the_chart_draws_every_committed_run(tmp_path, path):
     """Runs with failed modes (run 4) and with every mode (run 5), floor marks included."""
-    bench.plot(json.loads(path.read_text()), tmp_path / "c.png")
+    charts.plot(json.loads(path.read_text()), tmp_path / "c.png")
     assert png(tmp_path / "c.png")
 
 
@@ -311,7 +532,7 @@ def run_worker(tmp_path, launcher, mode, *extra):
 
 
 def check_worker_result(r, ranks):
-    params = sum(p.numel() for p in bench.build_llama(parse(*TINY_LLAMA)).parameters())
+    params = sum(p.numel() for p in models.build_llama(parse(*TINY_LLAMA)).parameters())
     assert r["params"] == params and r["model"] == "llama" and r["ranks"] == ranks
     assert len(r["per_iter"]) == 2 and all(math.isfinite(row["loss"]) for row in r["per_iter"])
     for k in ("iter_s", "step_s", "fwd_bwd_s", "pipelined_iter_s"):
@@ -322,24 +543,77 @@ def check_worker_result(r, ranks):
     # every rank's host store, and the estimate for this model on this many ranks of one node
     assert r["host"]["store_bytes_per_node"] == r["host"]["estimate_pinned_per_node"] == -(-params // ranks) * 12 * ranks
     assert r["host"]["rss_bytes_per_node"] > r["host"]["store_bytes_per_node"]
+    # how long it took to start, and the host memory pinned (the store; torch's figure is CUDA's)
+    assert 0 < r["model_built_s"] < r["engine_built_s"]
+    assert r["host_pinned_GiB"] == r["host_store_bytes"] / 2**30 and r["torch_pinned_GiB"] is None
+    assert "attach_s" in r and "pin_s" in r and "pin_GiBps" in r
+    assert all(p["host_pinned_GiB"] > 0 for p in r["per_rank"])
 
 
 def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind):
-    """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap. Two at
-    once, the same mode, as two benches side by side (one per GPU) run them: each rank-0 rendezvous
-    needs a port of its own (one derived from the mode's name made the second fail, EADDRINUSE)."""
+    """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap, the
+    second with gradient checkpointing. Two at once, the same mode, as two benches side by side (one
+    per GPU) run them: each rank-0 rendezvous needs a port of its own (one derived from the mode's
+    name made the second fail, EADDRINUSE)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = start_worker(tmp_path / "a", [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"))
-    second = start_worker(tmp_path / "b", [sys.executable], "stream_overlap")
+    second = start_worker(tmp_path / "b", [sys.executable], "stream_overlap", "--grad-ckpt")
     results = finish_worker(*first), finish_worker(*second)
     for r in results:
         check_worker_result(r, 1)
     assert results[0]["timeline"] is None  # asked for, but the allocator trace is CUDA's
+    assert [r["grad_ckpt"] for r in results] == [False, True]
+    # every field a committed run's stream_overlap result has (the summary adds the overhead figures
+    # and the driver the wall time; the timeline is CUDA's)
+    committed = set().union(*(json.loads(p.read_text())["results"].get("stream_overlap", {}) for p in RUNS))
+    later = {"overhead_s", "overhead_over_floor", "hidden_share", "step_over_floor", "pipelined_overhead_s",
+             "pipelined_hidden_share", "wall_s", "timeline"}
+    assert "per_iter" in committed and committed - later - set(results[0]) == set()
+
+
+def test_a_worker_out_of_gpu_memory_writes_its_record(tmp_path, monkeypatch):
+    """The worker records running out of GPU memory (however wrapped) as its result, with what it
+    knew by then, and exits with OOM_EXIT; any other error is not a result."""
+    import torch
+
+    from deepspeed_offload.bench import worker
+    path = tmp_path / "r.json"
+    args = parse(*TINY_LLAMA, "--worker", "resident", "--result-file", str(path))
+
+    class Device:
+        def max_memory_allocated(self):
+            return 130.5 * 2**30
+
+    def run_mode(mode, args, acc, progress):
+        progress.facts.update(params=10, engine_built_s=42.0)
+        progress("iteration 1 of 11 (9.000 s)")
+        try:
+            raise torch.OutOfMemoryError(OOM_MESSAGE + "\nIncluding non-PyTorch memory, this process has ...")
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("a wrapper's message") from e
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(worker, "setup", Device)
+    monkeypatch.setattr(worker, "run_mode", run_mode)
+    assert worker.work(args) == worker.OOM_EXIT
+    assert json.loads(path.read_text()) == {"oom": True, "error": OOM_MESSAGE, "peak_before_GiB": 130.5,
+                                            "last_progress": "iteration 1 of 11 (9.000 s)", "params": 10,
+                                            "engine_built_s": 42.0}
+    assert worker.oom_error(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))  # older torch
+    path.unlink()
+
+    def fails(*_):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(worker, "run_mode", fails)
+    with pytest.raises(RuntimeError, match="illegal"):
+        worker.work(args)
+    assert not path.exists()
 
 
 @pytest.mark.e2e
 def test_the_worker_runs_two_ranks_through_torchrun(tmp_path, no_shm_left_behind):
     """``--ranks 2``'s launch command, two gloo ranks on the CPU: rank 0 reports both ranks."""
-    r = run_worker(tmp_path, bench.launcher(parse("--ranks", "2")), "stream")
+    r = run_worker(tmp_path, driver.launcher(parse("--ranks", "2")), "stream@0")
     check_worker_result(r, 2)

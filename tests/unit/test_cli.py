@@ -65,8 +65,8 @@ def test_estimate_warns_when_host_memory_is_short(capsys, fake_host):
 
 
 def test_estimate_needs_a_bandwidth_without_gpu(capsys, monkeypatch):
-    import deepspeed_offload.bench as bench
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda gib=1: None)
+    import deepspeed_offload.bandwidth as probe
+    monkeypatch.setattr(probe, "measure_bandwidth", lambda gib=1: None)
     assert cli_main(["estimate", "--params", "1000"]) == 2
     assert "--bandwidth" in capsys.readouterr().err
 

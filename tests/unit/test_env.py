@@ -201,3 +201,19 @@ def test_on_a_gpu_pins_and_measures(report):
     assert report["deepcompile"]["loadable"], report["unavailable"].get("deepcompile")
     text = envinfo.format_text(report)
     assert re.search(r"^pin_test +: ok, 64.00 MiB pinned", text, re.M)
+
+
+def test_the_bandwidth_probe_needs_nothing_of_the_benchmark():
+    """``env`` and ``estimate`` measure with ``deepspeed_offload.bandwidth``: importing it, the env
+    report and the CLI pulls in neither the benchmark nor its extras (matplotlib, transformers are
+    made unimportable here; tqdm comes with DeepSpeed itself)."""
+    code = ("import sys\n"
+            "sys.modules['matplotlib'] = sys.modules['transformers'] = None\n"
+            "import deepspeed_offload.bandwidth, deepspeed_offload.envinfo, deepspeed_offload.cli\n"
+            "assert 'deepspeed_offload.bench' not in sys.modules, 'the benchmark was imported'\n"
+            "import deepspeed_offload.bandwidth as b\n"
+            "assert callable(b.bandwidth) and callable(b.measure_bandwidth) and callable(b.bandwidth_all_ranks)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if HAS_CUDA else "cpu"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]

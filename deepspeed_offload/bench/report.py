@@ -1,0 +1,196 @@
+"""The run's summary and its text: the JSON written after every mode (copy floor, each offloading
+mode's overhead over its baseline against the floor), the markdown table and the lines printed at
+the end of a run.
+
+Modes are looked up in the catalogue by the names the results hold; a name this version does not
+know (an old result file's) is shown, compared with resident ZeRO-3 and not against the floor.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..estimate import state_bytes_per_rank
+from .loop import GiB
+from .modes import lookup
+from .options import args_record
+
+_DEFAULTS = dict(sub_group_mb=256, overlap_memory_gb=None, budget_gb=16.0)
+
+
+def settings_of(summary_or_args):
+    """What the catalogue needs to describe a result's mode: the run's recorded arguments (a summary's
+    ``args``), or the parsed arguments themselves."""
+    if isinstance(summary_or_args, argparse.Namespace):
+        return summary_or_args
+    recorded = (summary_or_args or {}).get("args") or {}
+    return argparse.Namespace(**{k: recorded.get(k, v) if recorded.get(k) is not None else v
+                                 for k, v in _DEFAULTS.items()})
+
+
+def baseline_of(name, settings):
+    mode = lookup(name, settings)
+    return mode.baseline if mode else "resident"
+
+
+def against_floor(name, settings):
+    mode = lookup(name, settings)
+    return bool(mode and mode.against_floor)
+
+
+def summarize(results, args):
+    """The JSON summary of ``results``, written to ``args.out``: the copy floor (one rank's state
+    bytes over the each-way bandwidth with both directions busy, measured with every rank copying at
+    once), each offloading mode's overhead over its baseline against it, and the share of the floor
+    that overlap hid: ``1 - overhead / floor`` (1: the copies cost nothing; 0: none hidden)."""
+    bw = results.get("bandwidth", {})
+    ranks = getattr(args, "ranks", 1) or 1
+    params = next((r["params"] for r in results.values() if "params" in r), None)
+    state_bytes = state_bytes_per_rank(params, ranks) if params else None
+    floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
+    summary = {"floor_s": floor_s, "state_bytes_per_rank": state_bytes, "results": results,
+               "date": time.strftime("%Y-%m-%d"), "args": args_record(args)}
+    try:
+        summary["device"] = torch.cuda.get_device_name(0)
+        summary["torch"] = torch.__version__
+    except Exception:
+        pass
+    settings = settings_of(args)
+    for mode, r in results.items():
+        base = results.get(baseline_of(mode, settings), {})
+        if not against_floor(mode, settings) or "iter_s" not in r or "iter_s" not in base or not floor_s:
+            continue
+        r["overhead_s"] = r["iter_s"] - base["iter_s"]
+        r["overhead_over_floor"] = r["overhead_s"] / floor_s
+        r["hidden_share"] = 1 - r["overhead_s"] / floor_s
+        r["step_over_floor"] = r["step_s"] / floor_s
+        if "pipelined_iter_s" in r and "pipelined_iter_s" in base:
+            r["pipelined_overhead_s"] = r["pipelined_iter_s"] - base["pipelined_iter_s"]
+            r["pipelined_hidden_share"] = 1 - r["pipelined_overhead_s"] / floor_s
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def _cell(r, key, fmt="{:.3f}"):
+    """``median (min-max)`` where the spread was measured, the median alone otherwise."""
+    if key not in r:
+        return ""
+    text = fmt.format(r[key])
+    if key + "_min" in r:
+        text += f" ({fmt.format(r[key + '_min'])}-{fmt.format(r[key + '_max'])})"
+    return text
+
+
+def unmeasured(r):
+    """Why a mode has no figures, in a few words: out of memory, timed out or failed (None: measured)."""
+    if r.get("oom"):
+        peak = r.get("peak_before_GiB")
+        where = "; ".join(filter(None, [f"peak {peak:.2f} GiB before" if peak is not None else None,
+                                        r.get("last_progress")]))
+        return "out of memory" + (f" ({where})" if where else "")
+    if r.get("timeout"):
+        return f"timed out after {r['timeout_s']:g} s" + (f" ({r['last_progress']})" if r.get("last_progress") else "")
+    if "error" in r:
+        last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
+        return f"failed: {last[0][-100:]}"
+    return None
+
+
+def table(results, settings=None):
+    """One markdown row per mode (the bandwidth probe left out); a mode without figures says why in
+    one cell."""
+    settings = settings or settings_of(None)
+    lines = ["| mode | iteration s | fwd+bwd s | step s | pipelined iteration s | peak iteration GiB | peak fwd+bwd GiB "
+             "| peak in step GiB | between steps GiB | peak reserved GiB | over baseline s | floor hidden |",
+             "|---" * 12 + "|"]
+    for mode, r in results.items():
+        if mode == "bandwidth":
+            continue
+        why = unmeasured(r)
+        if why:
+            lines.append(f"| {mode} | {why.replace('|', '/')} |" + " |" * 10)
+            continue
+        base_name = baseline_of(mode, settings)
+        base = results.get(base_name, {})
+        over = f"{r['iter_s'] - base['iter_s']:+.3f} ({base_name})" if "iter_s" in base and base is not r else ""
+        hidden = f"{r['hidden_share']:.0%}" if "hidden_share" in r else ""
+        lines.append(f"| {mode} | {_cell(r, 'iter_s')} | {_cell(r, 'fwd_bwd_s')} | {_cell(r, 'step_s')} | "
+                     f"{_cell(r, 'pipelined_iter_s_median' if 'pipelined_iter_s_median' in r else 'pipelined_iter_s')} | "
+                     f"{_cell(r, 'peak_iter_GiB', '{:.2f}')} | {_cell(r, 'peak_fwd_bwd_GiB', '{:.2f}')} | "
+                     f"{_cell(r, 'peak_step_GiB', '{:.2f}')} | {_cell(r, 'between_GiB', '{:.2f}')} | "
+                     f"{_cell(r, 'peak_reserved_GiB', '{:.2f}')} | {over} | {hidden} |")
+    return "\n".join(lines)
+
+
+def _bandwidth_lines(bw):
+    if "h2d_GBps" not in bw:
+        return []
+    lines = [f"bandwidth GB/s: H2D {bw['h2d_GBps']:.1f}, D2H {bw['d2h_GBps']:.1f}, both at once "
+             f"{bw['both_each_way_GBps']:.1f} each way, pageable H2D {bw['pageable_h2d_GBps']:.1f}"]
+    for r in bw.get("ranks") or []:
+        lines.append(f"  rank {r['rank']}: alone H2D/D2H/both {r['alone']['h2d_GBps']:.1f}/"
+                     f"{r['alone']['d2h_GBps']:.1f}/{r['alone']['both_each_way_GBps']:.1f}, all ranks at once "
+                     f"{r['together']['h2d_GBps']:.1f}/{r['together']['d2h_GBps']:.1f}/"
+                     f"{r['together']['both_each_way_GBps']:.1f}")
+    return lines
+
+
+def _overhead_line(mode, r, settings):
+    return (f"{mode}: over {baseline_of(mode, settings)} {r['overhead_s']:+.3f} s = {r['overhead_over_floor']:.2f}x "
+            f"floor (hidden {r['hidden_share']:.0%}; pipelined {r.get('pipelined_hidden_share', float('nan')):.0%}); "
+            f"step {r['step_s']:.3f} s; peak iteration {r.get('peak_iter_GiB', float('nan')):.2f} GiB "
+            f"(pipelined {r.get('pipelined_peak_GiB', float('nan')):.2f}, reserved "
+            f"{r.get('pipelined_peak_reserved_GiB', float('nan')):.2f}); "
+            f"last step {r.get('last_step')}; counters {r.get('counters')}")
+
+
+def _host_line(mode, host):
+    store = host["store_bytes_per_node"]
+    return (f"{mode}: host per node ({host['ranks_per_node']} ranks): store "
+            f"{'-' if store is None else f'{store / GiB:.2f} GiB'}, RSS {host['rss_bytes_per_node'] / GiB:.2f}"
+            f" GiB; estimate {host['estimate_pinned_per_node'] / GiB:.2f} GiB")
+
+
+def _startup_line(mode, r):
+    """How long the mode took to start, and the host memory it pinned (where recorded)."""
+    def num(key, fmt):
+        return "?" if r.get(key) is None else fmt.format(r[key])
+
+    if r.get("engine_built_s") is None:
+        return None
+    text = f"{mode}: engine built {num('engine_built_s', '{:.1f}')} s after the process started"
+    if r.get("attach_s") is not None:
+        text += f" (our attach {num('attach_s', '{:.1f}')} s)"
+    if r.get("host_pinned_GiB") is not None:
+        text += f"; host pinned {num('host_pinned_GiB', '{:.2f}')} GiB"
+        if r.get("pin_s") is not None:
+            text += f" in {num('pin_s', '{:.1f}')} s ({num('pin_GiBps', '{:.1f}')} GiB/s)"
+    return text
+
+
+def _checkpoint_line(ck):
+    return (f"checkpoint ({ck['checkpoint_GiB']:.1f} GiB): DeepSpeed synchronous save {ck['sync_save_s']:.2f} s; "
+            f"async save blocked {ck['async_blocking_s']:.3f} s ({ck['async_blocking_over_sync']:.1%} of it), "
+            f"wrote in the background in {ck['async_background_s']:.2f} s; iterations during the write "
+            f"{', '.join(f'{t:.3f}' for t in ck['iters_during_write_s'])} s")
+
+
+def report(summary):
+    """The text printed at the end of a run: the table and one line per figure worth reading."""
+    results, floor_s = summary["results"], summary.get("floor_s")
+    settings = settings_of(summary)
+    lines = [table(results, settings)]
+    lines += _bandwidth_lines(results.get("bandwidth", {}))
+    if floor_s:
+        lines.append(f"copy floor (state bytes per rank / bidirectional bandwidth): {floor_s:.3f} s")
+    lines += [f"{mode}: out of memory: {r['error']}" for mode, r in results.items() if r.get("oom")]
+    lines += [_overhead_line(mode, r, settings) for mode, r in results.items() if "overhead_s" in r]
+    lines += list(filter(None, (_startup_line(mode, r) for mode, r in results.items())))
+    lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
+    ck = results.get("checkpoint", {})
+    if "sync_save_s" in ck:
+        lines.append(_checkpoint_line(ck))
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""A mode's result record, from what the worker measured: the iterations' medians, spreads and worst
+peaks, what our handle reports (sub-groups, step stats, host store), each rank's figures and the
+host memory per node against ``deepspeed-offload estimate``."""
+
+import statistics
+
+import torch
+
+from ..estimate import estimate
+from .loop import GiB, spread
+
+
+def from_rows(rows):
+    """The measured iterations' medians, with the spread of the times and the worst peaks (what must
+    fit); every row under ``per_iter``."""
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    for k in ("iter_s", "step_s", "fwd_bwd_s"):
+        s = spread([r[k] for r in rows])
+        out[k + "_min"], out[k + "_max"] = s["min"], s["max"]
+    for k in ("peak_iter_GiB", "peak_reserved_GiB"):
+        out[k] = max(r[k] for r in rows)
+    out["per_iter"] = rows
+    return out
+
+
+def handle_stats(handle, engine, between_GiB):
+    """What our mode's handle says after the run (nothing without one): sub-groups, staging slot,
+    last step's stats, counters, host store bytes, and the bound on the step's peak (between steps +
+    two slots + the largest gradient partition in fp32)."""
+    if handle is None:
+        return {}
+    store = getattr(handle, "store", None)
+    slot_bytes = getattr(handle, "slot_bytes", 0)
+    out = {"sub_groups": len(getattr(handle, "order", [])), "slot_GiB": slot_bytes / GiB,
+           "last_step": handle.step_stats(), "counters": getattr(handle, "counters", None),
+           "host_store_bytes": getattr(store, "nbytes", None)}
+    try:
+        grad_bytes = max(int(sum(p.numel() for p in g)) for g in engine.optimizer.fp16_partitioned_groups) * 4
+        out["peak_bound_GiB"] = between_GiB + (2 * slot_bytes + grad_bytes) / GiB
+    except (AttributeError, ValueError):
+        pass
+    return out
+
+
+def torch_pinned_bytes():
+    """What torch's pinned (host) allocator holds now (``allocated_bytes.current``: blocks in use and
+    cached), or None where torch has no such figure (no CUDA, a torch without host_memory_stats)."""
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        return stats().get("allocated_bytes.current")
+    except RuntimeError:
+        return None
+
+
+def host_pinned(handle):
+    """The host memory pinned for the state: our host store's size, the seconds its pinning took
+    and the rate, for our modes; for the others, torch's pinned allocator's figure (``pin_s``
+    unknown). ``torch_pinned_GiB``: that figure for every mode (ours included)."""
+    torch_bytes = torch_pinned_bytes()
+    torch_gib = None if torch_bytes is None else torch_bytes / GiB
+    store = getattr(handle, "store", None)
+    if store is None:
+        return {"host_pinned_GiB": torch_gib, "pin_s": None, "pin_GiBps": None, "torch_pinned_GiB": torch_gib}
+    gib, pin_s = store.nbytes / GiB, store.pinning.seconds
+    return {"host_pinned_GiB": gib, "pin_s": pin_s, "pin_GiBps": gib / pin_s if pin_s else None,
+            "pinned_with": store.pinning.kind, "torch_pinned_GiB": torch_gib}
+
+
+def rank_record(rank, out):
+    """This rank's own figures, for rank 0's ``per_rank``."""
+    return {"rank": rank, "iter_s": out["iter_s"], "step_s": out["step_s"], "pipelined_iter_s": out["pipelined_iter_s"],
+            "peak_iter_GiB": out["peak_iter_GiB"], "between_GiB": out["between_GiB"],
+            "host_store_bytes": out.get("host_store_bytes"), "host_pinned_GiB": out.get("host_pinned_GiB"),
+            "rss_bytes": rss_bytes()}
+
+
+def gather_ranks(mine, world):
+    """Every rank's ``rank_record``, in rank order (a collective with several ranks)."""
+    if world == 1:
+        return [mine]
+    import torch.distributed as dist
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    return per_rank
+
+
+def rss_bytes():
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def host_memory(per_rank, nparams, world):
+    """Host memory per node, measured (every rank's host store and RSS; one node) against what
+    ``deepspeed-offload estimate`` gives for everything offloaded."""
+    stores = [r.get("host_store_bytes") for r in per_rank]
+    return {"ranks_per_node": world,
+            "store_bytes_per_node": sum(stores) if all(s is not None for s in stores) else None,
+            "rss_bytes_per_node": sum(r["rss_bytes"] for r in per_rank),
+            "estimate_pinned_per_node": estimate(nparams, world, world, bandwidth=1)["host_pinned_per_node"]}
