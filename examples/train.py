@@ -57,7 +57,10 @@ def main():
     deepspeed_offload.wait_for_checkpoint(engine)
     if engine.global_rank == 0 and args.save_dir:
         print(f"checkpoint saved in {args.save_dir}", flush=True)
-    deepspeed.comm.barrier()
+    # No barrier here: on gloo (the CPU), a barrier keeps the collectives still finishing on gloo's
+    # worker threads (ZeRO-3's last gather of persistent parameters) alive until the barrier's own
+    # work is freed on a worker thread, which at interpreter exit aborts the process
+    # (docs/troubleshooting.md). wait_for_checkpoint is the collective the ranks need.
     deepspeed.comm.destroy_process_group()
 
 

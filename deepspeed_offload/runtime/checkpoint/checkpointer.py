@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 from deepspeed.utils import log_dist, logger
 
+from ...handle import get_handle
 from ..patches import PatchRegistry
 from . import agreement
 from .commit import recover, remove_leftovers
@@ -254,7 +255,7 @@ class AsyncCheckpointer:
 
 
 def _checkpointer(engine) -> Optional[AsyncCheckpointer]:
-    handle = getattr(engine, "_deepspeed_offload", None)
+    handle = get_handle(engine)
     return getattr(handle, "checkpointer", None)
 
 
