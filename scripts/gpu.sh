@@ -3,9 +3,9 @@
 # Installs the wheels carried in .whl/ (made here by `bash scripts/device-wheels.sh`) and
 # builds DeepSpeed's JIT ops once (FusedAdam, DeepCompile), then runs what is asked, writing logs and
 # results under $OUT:
-#   bash scripts/gpu.sh tests [PYTEST ARGS] the GPU-marked tests (launcher runs, residency races, env), 5 at
-#                                          a time (1 rank per GPU; 2-GPU cases skip on one GPU), then
-#                                          the "exclusive" ones alone (~6 min), or the tests ARGS name
+#   bash scripts/gpu.sh tests [PYTEST ARGS] the GPU-marked tests (launcher runs, residency races, env), 8 at
+#                                          a time (1 rank per GPU; 2-GPU cases skip on one GPU), or the
+#                                          tests ARGS name
 #   bash scripts/gpu.sh worker MODE [ARGS] one bench mode, one rank, in the foreground, its whole log in $OUT
 #   bash scripts/gpu.sh bench [ARGS]       deepspeed-offload bench (--plot, --timeline added), results to $OUT
 #   bash scripts/gpu.sh bench-bg [ARGS]    the same, started in its own session (it outlives this call:
@@ -70,12 +70,10 @@ tests)
         return "${PIPESTATUS[0]}"
     }
     [ $# -eq 0 ] || { pytest_run "$@"; exit; }
-    # 5 at a time, then the "exclusive" ones alone: DeepCompile plans each rank's schedule from the
-    # free memory of its GPU, and another test's process on one of them made two ranks disagree (hang)
-    set -- tests/e2e tests/unit/test_residency.py tests/unit/test_env.py
-    pytest_run "$@" -n 5 -m "(gpu or gpu2 or anyaccel) and not exclusive"; rc=$?
-    pytest_run "$@" -m exclusive || rc=1
-    exit $rc ;;
+    # 8 at a time: the compile-mode parity runs fix the free memory DeepCompile plans from, so
+    # other tests' processes on the GPU no longer change what they compile
+    pytest_run tests/e2e tests/unit/test_residency.py tests/unit/test_env.py -n 8 -m "gpu or gpu2 or anyaccel"
+    exit ;;
 worker)
     build_ops
     mode=$1; shift

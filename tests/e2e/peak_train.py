@@ -1,0 +1,74 @@
+"""One rank on a GPU: a model whose backward is not monotone (a large output layer's loss first,
+then blocks under activation checkpointing, each recomputed before its gradients), trained with
+the offload block at several settings in one process; per setting, the peak allocated GPU memory of
+the iterations after the first three (the overlap's measured iteration is the second).
+
+    python tests/e2e/peak_train.py SPEC.json   (SPEC: variants [{"offload": {...}}], out)
+"""
+
+import gc
+import json
+import os
+import sys
+
+import deepspeed
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import deepspeed_offload
+
+
+class Blocks(torch.nn.Module):
+
+    def __init__(self, hidden, blocks, vocab):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+            for _ in range(blocks))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, x, labels):
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False)
+        return torch.nn.functional.cross_entropy(self.head(x).float(), labels)
+
+
+def run(spec, offload):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer_state_offload": offload}
+    model = Blocks(spec["hidden"], spec["blocks"], spec["vocab"])
+    engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.randn(spec["tokens"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, spec["vocab"], (spec["tokens"], ), device="cuda")
+    peaks = []
+    for step in range(spec["steps"]):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()  # (the policy resets them too, while it measures)
+        engine.backward(engine(x, labels))
+        engine.step()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+    handle = deepspeed_offload.get_handle(engine)
+    stats = handle.step_stats()
+    out = {"peaks": peaks, "slot_bytes": handle.slot_bytes, "loaded_early": stats["loaded_early"],
+           "sub_groups": len(handle.order), "between": torch.cuda.memory_allocated()}
+    del engine, handle, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
+    deepspeed.init_distributed()
+    result = {"variants": [run(spec, v["offload"]) for v in spec["variants"]]}
+    torch.save(result, spec["out"])
+    deepspeed.comm.destroy_process_group()
+    os._exit(0)  # (a GPU run: nothing of gloo's exit path is under test here)
+
+
+if __name__ == "__main__":
+    main()
