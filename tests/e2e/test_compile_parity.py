@@ -92,4 +92,6 @@ def test_deepcompile_plans_from_free_memory(tmp_path):
     plans = {name: selective_gather_lines((tmp_path / f"{name}.log").read_text()) for name in ("roomy", "tight")}
     assert plans["roomy"] and plans["roomy"] != plans["tight"], plans
     differs = [k for k in roomy["fp32"] if not torch.equal(roomy["fp32"][k], tight["fp32"][k])]
-    print("selective_gather:", plans, "fp32 tensors that differ:", differs)
+    summary = f"selective_gather: {plans}\nfp32 tensors that differ: {differs}"
+    (tmp_path / "summary.txt").write_text(summary + "\n")
+    print(summary)

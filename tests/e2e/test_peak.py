@@ -21,7 +21,9 @@ def test_overlap_does_not_raise_the_peak(tmp_path, budget):
     off, on = out["variants"]
     steady = slice(3, None)  # after the measured iteration
     peak_off, peak_on = max(off["peaks"][steady]), max(on["peaks"][steady])
-    print(f"budget {budget}: peak off {peak_off / 2**30:.3f} GiB, on {peak_on / 2**30:.3f} GiB, slots "
-          f"{2 * on['slot_bytes'] / 2**30:.3f} GiB, loaded early {on['loaded_early']} of {on['sub_groups']}")
+    summary = (f"budget {budget}: peak off {peak_off / 2**30:.3f} GiB, on {peak_on / 2**30:.3f} GiB, slots "
+               f"{2 * on['slot_bytes'] / 2**30:.3f} GiB, loaded early {on['loaded_early']} of {on['sub_groups']}")
+    (tmp_path / "summary.txt").write_text(summary + "\n")
+    print(summary)
     assert on["loaded_early"] > 0  # the overlap did load in backward
     assert peak_on <= peak_off + 2 * on["slot_bytes"], (off["peaks"], on["peaks"])
