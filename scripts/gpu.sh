@@ -23,7 +23,12 @@ OUT=${OUT:-$PWD/out}
 # benches can run side by side (one per GPU, CUDA_VISIBLE_DEVICES set by the caller)
 BG=${BENCH_DIR:-/tmp/ds_offload_bench}
 mkdir -p "$OUT" "$BG"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# once per machine: a second install (bench-wait, say) would replace packages a running bench is importing
+if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(ls .whl)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    ls .whl > /tmp/site/.wheels
+fi
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # One build dir for every process here, outside the repo (the tests' own private dir is for CI).

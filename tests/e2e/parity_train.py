@@ -228,17 +228,6 @@ def main():
     os._exit(0)
 
 
-def fix_free_memory_seen_by_deepcompile(gib):
-    """DeepCompile plans its gathers (zero3_compile's schedule, selective_gather's persistence) from
-    the device's free memory, which with pynvml is the whole GPU's: another process on the GPU changes
-    the plan, and a different plan compiles different kernels. Two runs that must agree bit for bit
-    therefore see the same free memory: ``gib`` GiB (None: the real figure)."""
-    if gib is None:
-        return
-    acc = get_accelerator()
-    acc.available_memory = lambda device_index=None: int(gib * 2**30)
-
-
 @contextlib.contextmanager
 def copy_executor(spec):
     """With ``copies``, offload attaches with deferred_copies.py's executor: a copy runs only when
@@ -281,7 +270,6 @@ def train_with(spec):
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     inject_checkpoint_faults(engine, spec)
     if spec.get("compile"):
-        fix_free_memory_seen_by_deepcompile(spec.get("deepcompile_free_gb"))
         engine.compile()
     if spec.get("early_cap_first"):
         # overlap_memory_gb of exactly the first offloaded sub-group: it loads in backward, the
