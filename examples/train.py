@@ -6,9 +6,10 @@ Runs on any accelerator DeepSpeed knows, the CPU included (2 gloo ranks). The on
 plain DeepSpeed script is ``deepspeed_offload.initialize`` in place of ``deepspeed.initialize``.
 
 With ``--save_dir`` it saves a checkpoint at the end; with ``"async_checkpoint": true`` in the block
-that save returns at once and the files are written in the background, so the script waits for
-them (``deepspeed_offload.wait_for_checkpoint``) before it ends. Never leave with ``os._exit`` while
-a checkpoint may be in flight: it kills the writer, and nothing can report it.
+that save returns at once and the files are written in the background; ``deepspeed_offload.finish``
+waits for them, and retires the collectives gloo may still be finishing, before the script ends.
+Never leave with ``os._exit`` while a checkpoint may be in flight: it kills the writer, and nothing
+can report it.
 """
 
 import argparse
@@ -53,15 +54,11 @@ def main():
         print(f"offload: {handle.step_stats()}", flush=True)
     if args.save_dir:
         engine.save_checkpoint(args.save_dir)
-    # Every rank: the asynchronous checkpoint is on disk and 'latest' names it (raises if it failed).
-    deepspeed_offload.wait_for_checkpoint(engine)
+    # Every rank: the asynchronous checkpoint is on disk and 'latest' names it (raises if it failed),
+    # the collectives still finishing are retired, the process groups destroyed.
+    deepspeed_offload.finish(engine)
     if engine.global_rank == 0 and args.save_dir:
         print(f"checkpoint saved in {args.save_dir}", flush=True)
-    # No barrier here: on gloo (the CPU), a barrier keeps the collectives still finishing on gloo's
-    # worker threads (ZeRO-3's last gather of persistent parameters) alive until the barrier's own
-    # work is freed on a worker thread, which at interpreter exit aborts the process
-    # (docs/troubleshooting.md). wait_for_checkpoint is the collective the ranks need.
-    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
