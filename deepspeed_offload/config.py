@@ -52,7 +52,7 @@ class OffloadConfig(BaseModel):
     memory_budget_gb: Optional[float] = _gib_field()
     # Stream mode: load sub-groups during the last backward, as it frees memory, ahead of the step.
     overlap: bool = True
-    # Device memory early loads may hold; null: derived from the peak measured since attach.
+    # Device memory early loads may hold; null: derived from an iteration measured without them.
     overlap_memory_gb: Optional[float] = _gib_field()
     async_checkpoint: bool = False
 

@@ -42,7 +42,6 @@ device for the one sub-group being updated, copied into its buffers and written 
 import time
 from typing import Dict, List, Optional
 
-import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist
 
@@ -51,11 +50,13 @@ from ..handle import HANDLE_ATTR
 from ..host_memory import format_bytes
 from .checkpoint import AsyncCheckpointer
 from .copies import make_copies
-from .host_store import MASTER, HostStore
+from .host_store import HostStore
 from .layout import compute_layout
 from .load_timing import LoadTiming
 from .patches import PatchRegistry
 from .residency import Phase, ResidencyTable
+from .state_tensors import StateTensors
+from .step_stats import StepStats
 
 # On a GPU, the resident budget left unspecified keeps this share of the card for everything else.
 DERIVED_BUDGET_SPARE = 0.5
@@ -65,33 +66,6 @@ READERS = ("state_dict", "_get_fp32_opt_state_partition")
 WRITERS = ("_restore_from_bit16_weights", "_restore_from_fp32_weights", "set_full_hp_param", "set_local_hp_param")
 # The optimizer method the gradient hooks call as backward produces each gradient (and frees memory).
 GRADIENT_HOOK = "reduce_ready_partitions_and_remove_grads"
-
-
-class StepStats:
-    """What one step moved and where its time went. Device timings are read lazily (``resolve``),
-    so recording them costs no synchronization."""
-
-    KINDS = ("h2d_wait", "update", "d2h")
-
-    def __init__(self, copies):
-        self.copies = copies
-        self.bytes_h2d = 0
-        self.bytes_d2h = 0
-        self.sub_groups = 0
-        self.loaded_early = 0  # sub-groups loaded before the step (in backward)
-        self.loaded_in_step = 0
-        self._spans: Dict[str, List] = {kind: [] for kind in self.KINDS}
-
-    def span(self, kind, span):
-        if span is not None:
-            self._spans[kind].append(span)
-
-    def resolve(self) -> Dict[str, float]:
-        out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups,
-               "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step}
-        for kind, spans in self._spans.items():
-            out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
-        return out
 
 
 class StreamMode:
@@ -129,8 +103,9 @@ class StreamMode:
         self.stats: Optional[StepStats] = None
         self.last_stats: Optional[StepStats] = None
 
+        self.tensors = StateTensors(self.opt, self.store, self.order)
         # Move what exists now (masters; states too if the optimizer already stepped or loaded).
-        self._all_to_host()
+        self.tensors.all_to_host()
         self.acc.empty_cache()
         self.patches = PatchRegistry()
         self._install_hooks()
@@ -166,7 +141,8 @@ class StreamMode:
             patch(opt, name, lambda orig: self._around(orig))
         for name in WRITERS:
             patch(opt, name, lambda orig: self._around(orig, writes=True))
-        patch(opt, "load_state_dict", lambda orig: self._around(orig, writes=True, after=self._after_load))
+        patch(opt, "load_state_dict",
+              lambda orig: self._around(orig, writes=True, after=lambda: self.tensors.after_load(self.acc)))
         patch(opt, "step", lambda orig: self._wrap_step(orig))
         patch(engine, "_backward_prologue", lambda orig: self._wrap_backward_prologue(orig))
         if self.overlap:
@@ -185,10 +161,7 @@ class StreamMode:
         self.table.release_loaded()
         device = self.acc.current_device_name()
         for i in self.order:
-            for key in self.store.slices[i]:
-                t = self._tensor(i, key)
-                if t is not None:
-                    t.data = self.store.view(i, key).to(device, copy=True)
+            self.tensors.point_at(i, lambda key: self.store.view(i, key).to(device, copy=True))
         self.patches.remove_all()
         if getattr(self.engine, HANDLE_ATTR, None) is self:
             delattr(self.engine, HANDLE_ATTR)
@@ -345,10 +318,7 @@ class StreamMode:
         self.table.arrive(i)
         self._update_start = self.copies.clock()
         self.stats.span("h2d_wait", (before, self._update_start))
-        for key in self.store.slices[i]:
-            t = self._tensor(i, key)
-            if t is not None:
-                t.data = self.table.view(i, key)
+        self.tensors.point_at(i, lambda key: self.table.view(i, key))
         if i in self._position:
             self._load_into_slot(self._position[i] + 1)  # into the other slot, after its last write-back
 
@@ -356,17 +326,8 @@ class StreamMode:
         """After DeepSpeed released sub-group ``i``: written back and its tensors pointed at the host
         store, or (compile mode, buffers of its own) left UPDATED on the device, its tensors on them,
         for the next forward's head or the next step."""
-        for key in self.store.slices[i]:
-            t = self._tensor(i, key)
-            if t is None:
-                continue
-            view = self.table.view(i, key)
-            if t.shape != view.shape or t.dtype != view.dtype:
-                raise RuntimeError(f"deepspeed-offload: optimizer state '{key}' of sub-group {i} is "
-                                   f"{tuple(t.shape)} {t.dtype}, the host store expected {tuple(view.shape)} "
-                                   f"{view.dtype}; this optimizer's state is not per-parameter tensors")
-            # State created by this step (lazy optimizer state) goes into the buffers, to leave with the rest.
-            _move_into(t, view)
+        # State created by this step (lazy optimizer state) goes into the buffers, to leave with the rest.
+        self.tensors.move_into(i, lambda key: self.table.view(i, key))
         self.stats.span("update", (self._update_start, self.copies.clock()))
         self.table.mark_updated(i)
         if self.stats.sub_groups == 0:
@@ -379,7 +340,7 @@ class StreamMode:
 
     def _write_back(self, i, stats: Optional[StepStats]):
         nbytes, span = self.table.write_back(i)
-        self._point_at_host(i)
+        self.tensors.point_at(i, lambda key: self.store.view(i, key))
         if stats is not None:
             stats.bytes_d2h += nbytes
             stats.span("d2h", span)
@@ -418,7 +379,7 @@ class StreamMode:
         self.synchronize_for_checkpoint()
         self.table.release_loaded()
         for i in self.order:
-            self._point_at_host(i, drop_grad=True)
+            self.tensors.point_at(i, lambda key: self.store.view(i, key), drop_grad=True)
         self.table.free_slots()
         self._in_step = False
         self.stats = None
@@ -448,57 +409,9 @@ class StreamMode:
         if self.checkpointer is not None:
             self.checkpointer.guard()
 
-    # ------------------------------------------------------------------ tensors
-
-    def _tensor(self, i: int, key: str) -> Optional[torch.Tensor]:
-        master = self.opt.fp32_partitioned_groups_flat[i]
-        if key == MASTER:
-            return master
-        return self.base.state.get(master, {}).get(key)
-
-    def _to_host(self, i: int):
-        """Copy every existing tensor of sub-group ``i`` into its host slice and point it there;
-        per tensor, so no temporary on the device."""
-        for key in self.store.slices[i]:
-            t = self._tensor(i, key)
-            if t is None:
-                continue
-            _move_into(t, self.store.view(i, key))
-
-    def _all_to_host(self):
-        for i in self.order:
-            self._to_host(i)
-
-    def _after_load(self):
-        """After ``load_state_dict``: the loaded state into the host store, and the state the store
-        does not hold (Adam's ``step``) where the step will need it. torch's loader placed it by the
-        parameter's device, and an offloaded sub-group's master is on the host while it loads, so a
-        fused or capturable Adam would find its ``step`` on the CPU beside device moments."""
-        self._all_to_host()
-        device = self.acc.current_device_name()
-        for i in self.order:
-            group = self.base.param_groups[self.opt.sub_group_to_group_id[i]]
-            state = self.base.state.get(self.opt.fp32_partitioned_groups_flat[i], {})
-            for key, value in state.items():
-                if key in self.store.slices[i] or not torch.is_tensor(value):
-                    continue
-                target = unstored_state_device(key, group, device)
-                if target is not None and value.device != torch.device(target):
-                    state[key] = value.to(target)
-
-    def _point_at_host(self, i, drop_grad=False):
-        for key in self.store.slices[i]:
-            t = self._tensor(i, key)
-            if t is not None:
-                if drop_grad:
-                    t.grad = None  # a device gradient would not fit a host tensor
-                t.data = self.store.view(i, key)
-
     def host_resident(self) -> bool:
         """True when every offloaded tensor that exists points at its slice of the host store."""
-        return all(
-            self._tensor(i, key) is None or self._tensor(i, key).data_ptr() == self.store.view(i, key).data_ptr()
-            for i in self.order for key in self.store.slices[i])
+        return self.tensors.host_resident()
 
     def step_stats(self) -> Optional[Dict[str, float]]:
         """The last step that ran: bytes moved each way, sub-groups loaded early (in backward) and in
@@ -507,20 +420,3 @@ class StreamMode:
         for that step's copies (in stream mode they landed before the step returned; compile mode
         defers some write-backs to the next forward)."""
         return None if self.last_stats is None else self.last_stats.resolve()
-
-
-def unstored_state_device(key: str, group: dict, device: str) -> Optional[str]:
-    """Where a loaded state tensor that the host store does not hold belongs: torch's own rule in
-    ``Optimizer.load_state_dict`` (``step`` stays where it is unless the group is fused or
-    capturable; anything else goes with the parameter), applied as if the parameter were on the
-    device, where it is whenever the optimizer runs. None: leave it where it is."""
-    if key == "step" and not (group.get("fused") or group.get("capturable")):
-        return None
-    return device
-
-
-def _move_into(t: torch.Tensor, view: torch.Tensor):
-    """Copy ``t``'s values into ``view`` and point ``t`` at it, unless it points there already."""
-    if t.data_ptr() != view.data_ptr():
-        view.copy_(t.data)
-        t.data = view

@@ -1,6 +1,6 @@
-"""Session set-up for the launcher tests: a private JIT build dir, DeepSpeed's CPU shm op built once
-before any launch (so two ranks never race to build it, and no launch is killed mid-build), and the
-/dev/shm files DeepSpeed's CPU all-reduce leaves behind removed after each test."""
+"""Session set-up for the launcher tests: a private JIT build dir, and DeepSpeed's CPU shm op built
+once before any launch (so two ranks never race to build it, and no launch is killed mid-build).
+The /dev/shm files it leaves behind are removed by tests/conftest.py."""
 
 import os
 import sys
@@ -15,8 +15,6 @@ from harness import EXTENSIONS_DIR, stale_locks  # noqa: E402
 
 # Set before any test runs, so that the launcher, its ranks and the README's commands inherit it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
-SHM = Path("/dev/shm")
-SHM_GLOB = "deepspeed_allreduce_buffer_*"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,23 +28,3 @@ def jit_ops_built():
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         builder.load()
-
-
-def _shm_files():
-    return set(SHM.glob(SHM_GLOB)) if SHM.is_dir() else set()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shm_before_session():
-    before = _shm_files()
-    yield before
-    for path in _shm_files() - before:
-        path.unlink(missing_ok=True)
-
-
-@pytest.fixture(autouse=True)
-def no_shm_left_behind(shm_before_session):
-    """After each test (and module-scoped launches, at the first test after them)."""
-    yield
-    for path in _shm_files() - shm_before_session:
-        path.unlink(missing_ok=True)

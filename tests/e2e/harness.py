@@ -61,10 +61,14 @@ def run(cmd, name: str, timeout: int, env: dict) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def gpus() -> int:
+    """CUDA GPUs here (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def two_ranks_unavailable():
     """Why 2 ranks cannot run here, or None: gloo ranks share the CPU, NCCL ranks need a GPU each."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 1:
+    if gpus() == 1:
         return "2 NCCL ranks need 2 GPUs (\"Duplicate GPU detected\"), this machine has 1"
     return None
 

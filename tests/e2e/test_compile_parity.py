@@ -6,9 +6,8 @@ On the CPU these skip: DeepCompile's extension builds only for CUDA. The runtime
 checked on the CPU by test_stream_parity.py::test_compile_mode_runtime_parity."""
 
 import pytest
-import torch
 
-from harness import assert_bitwise_equal, launch
+from harness import assert_bitwise_equal, gpus, launch
 
 pytestmark = [pytest.mark.e2e]
 
@@ -22,10 +21,6 @@ CASES = {
     # budget 0: nothing comes back early, the step streams everything
     "budget_0_streams_everything": dict(offload={"enabled": True, "mode": "compile", "memory_budget_gb": 0}),
 }
-
-
-def gpus():
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def run_case(tmp_path, name, nprocs):

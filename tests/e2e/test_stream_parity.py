@@ -12,10 +12,9 @@ them (``deferred_copies.py``), as late as a GPU's copy streams may, and a negati
 one wait must break parity (a drain or a slot reuse without its wait breaks it too: checked by hand)."""
 
 import pytest
-import torch
 from deepspeed.accelerator import get_accelerator
 
-from harness import two_ranks_unavailable, assert_bitwise_equal, launch
+from harness import assert_bitwise_equal, gpus, launch, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -187,10 +186,6 @@ def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
     assert len(out["losses"]) == 4 and out["handle"]["steps"] == 4  # the steps after it ran and streamed
 
 
-def _gpus():
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 GPU_ONE_RANK = [("one_param_per_sub_group", "fused_adam"), ("few_large_sub_groups_gas2", "fused_adam"),
                 ("fp16_forced_overflow", "fused_adam"), ("fp32_adam_clip", "fused_adam"),
                 ("bf16_skipped_step", "fused_adam"), ("one_param_per_sub_group", "torch_adamw")]
@@ -199,7 +194,7 @@ GPU_ONE_RANK = [("one_param_per_sub_group", "fused_adam"), ("few_large_sub_group
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,optimizer", GPU_ONE_RANK)
 def test_parity_gpu_one_rank(tmp_path, case, optimizer):
-    if _gpus() < 1:
+    if gpus() < 1:
         pytest.skip("needs a CUDA GPU")
     run_case(tmp_path, case, nprocs=1, optimizer=optimizer, hidden=256)
 
@@ -207,8 +202,8 @@ def test_parity_gpu_one_rank(tmp_path, case, optimizer):
 @pytest.mark.gpu2
 @pytest.mark.parametrize("case", [c for c in CASES if c != "deferred_copies"])
 def test_parity_gpu_two_ranks(tmp_path, case):
-    if _gpus() < 2:
-        pytest.skip(f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {_gpus()}")
+    if gpus() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {gpus()}")
     run_case(tmp_path, case, optimizer="fused_adam", hidden=256)
 
 

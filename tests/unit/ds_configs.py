@@ -1,4 +1,5 @@
-"""Building test ds_configs: a copy of a base config with some keys set or removed."""
+"""Building test ds_configs: the smallest config that enables the block (``GOOD``), and copies of a
+base config with some keys set or removed (``with_``)."""
 
 import copy
 
@@ -16,3 +17,15 @@ def with_paths(base, **paths):
         else:
             d[keys[-1]] = value
     return cfg
+
+
+GOOD = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3},
+    "optimizer_state_offload": {"enabled": True},
+}
+
+
+def with_(base=GOOD, **paths):
+    """Copy of ``base`` (GOOD) with dotted-path keys set (``zero_optimization__stage=2``); None deletes."""
+    return with_paths(base, **paths)

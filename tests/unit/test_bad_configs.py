@@ -16,22 +16,12 @@ import torch
 import torch.distributed as torch_dist
 
 import deepspeed_offload
-from ds_configs import with_paths
+from ds_configs import GOOD, with_
 
 from deepspeed_offload import ConfigError
 from deepspeed_offload import config as cfgmod
 from deepspeed_offload.cli import main as cli_main
 
-GOOD = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3},
-    "optimizer_state_offload": {"enabled": True},
-}
-
-
-def with_(**paths):
-    """Copy of GOOD with dotted-path keys set (``zero_optimization__stage=2``); None deletes."""
-    return with_paths(GOOD, **paths)
 
 
 def block(**kw):

@@ -500,16 +500,6 @@ def test_the_chart_draws_every_committed_run(tmp_path, path):
     assert png(tmp_path / "c.png")
 
 
-@pytest.fixture
-def no_shm_left_behind():
-    """DeepSpeed's CPU all-reduce leaves a /dev/shm file per rank that nobody unlinks: remove ours."""
-    shm = Path("/dev/shm")
-    before = set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()
-    yield
-    for path in (set(shm.glob("deepspeed_allreduce_buffer_*")) if shm.is_dir() else set()) - before:
-        path.unlink(missing_ok=True)
-
-
 def start_worker(tmp_path, launcher, mode, *extra):
     """A worker process as the bench driver starts it; ``finish_worker`` waits for its result."""
     out = tmp_path / f"{mode}.json"

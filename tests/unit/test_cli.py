@@ -6,7 +6,6 @@ import statistics
 import pytest
 
 from bench_runs import RUNS
-from deepspeed_offload import config as cfgmod
 from deepspeed_offload.cli import digest_throughput
 from deepspeed_offload.cli import main as cli_main
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_configs import with_paths
+from ds_configs import GOOD, with_
 
 from deepspeed_offload import ConfigError, OffloadConfig
 from deepspeed_offload import config as cfgmod
@@ -15,16 +15,6 @@ from deepspeed_offload.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
-GOOD = {
-    "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3},
-    "optimizer_state_offload": {"enabled": True},
-}
-
-
-def with_(base=GOOD, **paths):
-    """Copy of ``base`` with dotted-path keys set (``zero_optimization__stage=2``)."""
-    return with_paths(base, **paths)
 
 
 def check(tmp_path, cfg, *extra):

@@ -3,7 +3,6 @@ up and down as a checkpointed backward's does, so the peak-keeping can be checke
 
 import math
 
-import pytest
 
 from deepspeed_offload.runtime.load_timing import LoadTiming
 

@@ -1,0 +1,31 @@
+"""``StepStats``: what one streamed step moved and where its time went, recorded without a device
+synchronization (device timings are events, resolved when the stats are read)."""
+
+from typing import Dict, List
+
+
+class StepStats:
+    """What one step moved and where its time went. Device timings are read lazily (``resolve``),
+    so recording them costs no synchronization."""
+
+    KINDS = ("h2d_wait", "update", "d2h")
+
+    def __init__(self, copies):
+        self.copies = copies
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.sub_groups = 0
+        self.loaded_early = 0  # sub-groups loaded before the step (in backward)
+        self.loaded_in_step = 0
+        self._spans: Dict[str, List] = {kind: [] for kind in self.KINDS}
+
+    def span(self, kind, span):
+        if span is not None:
+            self._spans[kind].append(span)
+
+    def resolve(self) -> Dict[str, float]:
+        out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups,
+               "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step}
+        for kind, spans in self._spans.items():
+            out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
+        return out
