@@ -175,8 +175,8 @@ def probe_host_memory():
 
 
 def probe_cgroup_memory_limit():
-    limit, usage = HostMemory.read().cgroup_limit, HostMemory.read().cgroup_usage
-    return "unlimited" if limit is None else {"limit": limit, "usage": usage}
+    memory = HostMemory.read()
+    return "unlimited" if memory.cgroup_limit is None else {"limit": memory.cgroup_limit, "usage": memory.cgroup_usage}
 
 
 def probe_pinnable_host_memory():

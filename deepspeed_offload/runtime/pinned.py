@@ -102,7 +102,6 @@ class CudaHostRegister:
     def register(self, address: int, nbytes: int):
         err = self.cudart.cudaHostRegister(address, nbytes, 0)
         if int(err) != 0:
-            torch.cuda.synchronize()  # clears nothing, but surfaces a sticky error with its text
             raise RuntimeError(f"cudaHostRegister of {format_bytes(nbytes)} failed with CUDA error {int(err)}")
 
     def unregister(self, address: int):
