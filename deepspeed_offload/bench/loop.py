@@ -141,3 +141,36 @@ class Loop:
         return {"sync_save_s": sync_s, "async_blocking_s": blocking_s,
                 "async_background_s": handle.checkpointer.last["background_s"], "iters_during_write_s": iters,
                 "async_blocking_over_sync": blocking_s / sync_s, "checkpoint_GiB": size / GiB}
+
+    def colocation_times(self, cycles=3):
+        """What an RL trainer sharing its GPU with rollouts pays: ``engine.offload_states()`` of
+        everything and ``reload_states()``, ``cycles`` times after a training step (the first
+        offload pins DeepSpeed's host buffers: its time is kept apart); the memory allocated before,
+        after the offload and the device's free memory then (what a rollout could use)."""
+        engine, acc = self.engine, self.acc
+        rows = []
+        for _ in range(cycles + 1):
+            engine.backward(self.loss_of(engine))
+            engine.step()
+            acc.synchronize()
+            before = acc.memory_allocated()
+            t = time.perf_counter()
+            engine.offload_states()
+            acc.synchronize()
+            t_off = time.perf_counter()
+            after = acc.memory_allocated()
+            free = acc.available_memory()
+            engine.reload_states()
+            acc.synchronize()
+            rows.append({"offload_s": t_off - t, "reload_s": time.perf_counter() - t_off, "before_GiB": before / GiB,
+                         "after_offload_GiB": after / GiB, "free_during_rollout_GiB": free / GiB})
+        first, rest = rows[0], rows[1:]
+        off, rel = spread([r["offload_s"] for r in rest]), spread([r["reload_s"] for r in rest])
+        return {"colocate_first_offload_s": first["offload_s"], "colocate_offload_s": off["median"],
+                "colocate_offload_s_min": off["min"], "colocate_offload_s_max": off["max"],
+                "colocate_reload_s": rel["median"], "colocate_reload_s_min": rel["min"],
+                "colocate_reload_s_max": rel["max"],
+                "colocate_cycle_s": statistics.median(r["offload_s"] + r["reload_s"] for r in rest),
+                "colocate_before_GiB": max(r["before_GiB"] for r in rest),
+                "colocate_after_offload_GiB": max(r["after_offload_GiB"] for r in rest),
+                "colocate_free_GiB": min(r["free_during_rollout_GiB"] for r in rest)}

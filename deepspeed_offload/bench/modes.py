@@ -47,6 +47,7 @@ class Mode:
     probe: bool = False  # no engine: the bandwidth probe
     reload_states: bool = False  # reload_states() before each step, offload_states() after it
     checkpoint: bool = False  # times DeepSpeed's synchronous save against our async one
+    colocate: bool = False  # times engine.offload_states() + reload_states() of everything, after the iterations
     env: Tuple[Tuple[str, str], ...] = ()  # environment the worker sets before building the engine
     config: Mapping = field(default_factory=dict, compare=False)
 
@@ -90,6 +91,10 @@ def _fixed(name, settings):
                                                     overlap_memory_gb=settings.overlap_memory_gb)),
         "offload_states": dict(offloads="optimizer states and fp32 masters (engine.offload_states)",
                                baseline="resident", reload_states=True),
+        "colocate": dict(offloads=NOTHING, baseline="resident", colocate=True),
+        "colocate_stream": dict(offloads=OUR_STATE, baseline="resident", against_floor=True, colocate=True,
+                                config=_stream_block(settings, overlap=True,
+                                                     overlap_memory_gb=settings.overlap_memory_gb)),
         "zero_offload": dict(offloads="optimizer states, fp32 masters and the step (ZeRO-Offload, CPU Adam)",
                              baseline="resident", config={"zero_optimization": {"offload_optimizer": zero_offload}}),
         "checkpoint": dict(offloads=OUR_STATE, baseline="resident", checkpoint=True,
@@ -108,7 +113,7 @@ def _fixed(name, settings):
 
 
 FIXED = ["bandwidth", "resident", "stream", "stream_overlap", "stream_prefetch", "offload_states", "zero_offload",
-         "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
+         "colocate", "colocate_stream", "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
 FAMILIES = ["compile_offload", "stream", "stream_overlap"]
 
 

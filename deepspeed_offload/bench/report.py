@@ -178,6 +178,12 @@ def _checkpoint_line(ck):
             f"{', '.join(f'{t:.3f}' for t in ck['iters_during_write_s'])} s")
 
 
+def _colocation_line(mode, r):
+    return (f"{mode}: offload_states() {r['colocate_offload_s']:.3f} s (first {r['colocate_first_offload_s']:.3f} s) + "
+            f"reload_states() {r['colocate_reload_s']:.3f} s; allocated {r['colocate_before_GiB']:.2f} -> "
+            f"{r['colocate_after_offload_GiB']:.2f} GiB, free for the rollout {r['colocate_free_GiB']:.1f} GiB")
+
+
 def report(summary):
     """The text printed at the end of a run: the table and one line per figure worth reading."""
     results, floor_s = summary["results"], summary.get("floor_s")
@@ -190,6 +196,7 @@ def report(summary):
     lines += [_overhead_line(mode, r, settings) for mode, r in results.items() if "overhead_s" in r]
     lines += list(filter(None, (_startup_line(mode, r) for mode, r in results.items())))
     lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
+    lines += [_colocation_line(mode, r) for mode, r in results.items() if "colocate_offload_s" in r]
     ck = results.get("checkpoint", {})
     if "sync_save_s" in ck:
         lines.append(_checkpoint_line(ck))

@@ -130,6 +130,8 @@ def run_mode(mode, args, acc, progress):
     handle = deepspeed_offload.get_handle(engine)
     if mode.checkpoint:
         out.update(loop.checkpoint_times(handle, args.ckpt_dir))
+    if mode.colocate:
+        out.update(loop.colocation_times())
     out.update(results.handle_stats(handle, engine, out["between_GiB"]))
     out.update(results.host_pinned(handle), attach_s=getattr(handle, "attach_s", None))
     out["per_rank"] = results.gather_ranks(results.rank_record(rank, out), world)

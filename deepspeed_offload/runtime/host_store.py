@@ -36,8 +36,10 @@ class Slice:
 
 class HostStore:
 
-    def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool, budget_gb=None):
-        """``layout[sub_group] = [(key, dtype, numel), ...]`` for every offloaded sub-group."""
+    def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool, budget_gb=None,
+                 warn_pageable: bool = True, what: str = f"{BLOCK}.pin_memory"):
+        """``layout[sub_group] = [(key, dtype, numel), ...]`` for every sub-group it holds. ``what``:
+        the setting a pinning failure names (the block's ``pin_memory``, or ``offload_states``'s)."""
         self.slices: Dict[int, Dict[str, Slice]] = {}
         self.regions: Dict[int, Dict[torch.dtype, Tuple[int, int]]] = {}  # sub_group -> dtype -> (start, numel)
         totals: Dict[torch.dtype, int] = {}
@@ -68,8 +70,8 @@ class HostStore:
                 show_progress=os.environ.get("LOCAL_RANK", "0") == "0",
                 fallback=lambda n, dt: acc.pin_empty(n, dtype=dt))
         except RuntimeError as e:
-            raise ConfigError(f"{BLOCK}.pin_memory", f"{e}; or set pin_memory to false (slower copies)") from e
-        if not pin_memory and acc.device_name() != "cpu":
+            raise ConfigError(what, f"{e}; or set pin_memory to false (slower copies)") from e
+        if warn_pageable and not pin_memory and acc.device_name() != "cpu":
             logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
                            "fraction of the link speed, and the step will be slower")
 

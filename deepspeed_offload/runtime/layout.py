@@ -53,6 +53,7 @@ class Layout:
     nbytes: Dict[int, int]  # offloaded sub-group -> bytes it moves each way
     order: List[int]  # offloaded sub-groups, in the order the step updates them
     resident: List[int]  # sub-groups kept on the device within memory_budget_gb
+    resident_entries: Dict[int, List[Entry]]  # resident sub-group -> what engine.offload_states() moves
     slot_numel: Dict[torch.dtype, int]  # one staging slot: the largest offloaded region, per dtype
     slot_bytes: int
     grad_bytes: int  # the largest fp32 gradient the step builds for one sub-group
@@ -96,6 +97,7 @@ def compute_layout(opt, budget_bytes: int) -> Layout:
                   nbytes={i: nbytes(i) for i in order},
                   order=order,
                   resident=resident,
+                  resident_entries={i: entries(i) for i in resident if entries(i)},
                   slot_numel=slot_numel,
                   slot_bytes=sum(numel * element_size(dt) for dt, numel in slot_numel.items()),
                   grad_bytes=max((m.numel() * element_size(m.dtype) for m in masters), default=0))

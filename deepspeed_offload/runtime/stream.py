@@ -49,6 +49,7 @@ from ..config import OffloadConfig
 from ..handle import HANDLE_ATTR
 from ..host_memory import format_bytes
 from .checkpoint import AsyncCheckpointer
+from .colocation import StateOffload
 from .copies import make_copies
 from .host_store import HostStore
 from .layout import compute_layout
@@ -104,6 +105,7 @@ class StreamMode:
         self.last_stats: Optional[StepStats] = None
 
         self.tensors = StateTensors(self.opt, self.store, self.order)
+        self.colocation = StateOffload(self)
         # Move what exists now (masters; states too if the optimizer already stepped or loaded).
         self.tensors.all_to_host()
         self.acc.empty_cache()
@@ -147,8 +149,9 @@ class StreamMode:
         patch(engine, "_backward_prologue", lambda orig: self._wrap_backward_prologue(orig))
         if self.overlap:
             patch(opt, GRADIENT_HOOK, lambda orig: self._wrap_gradient_hook(orig))
-        for name in ("offload_states", "reload_states"):
-            patch(engine, name, lambda orig, name=name: self._refuse(name))
+        # engine.offload_states()/reload_states() check their arguments and call these two.
+        patch(opt, "offload_states", lambda orig: lambda *a, **kw: self.colocation.offload_states(orig, *a, **kw))
+        patch(opt, "reload_states", lambda orig: lambda *a, **kw: self.colocation.reload_states(orig, *a, **kw))
 
     def detach(self):
         """Undo attach: write everything back, point the optimizer's tensors at device copies of
@@ -157,6 +160,7 @@ class StreamMode:
         if self.checkpointer is not None:
             self.checkpointer.close()  # waits for the last save (collective), removes its hooks
             self.checkpointer = None
+        self.colocation.reload_ours()
         self.synchronize_for_checkpoint()
         self.table.release_loaded()
         device = self.acc.current_device_name()
@@ -188,6 +192,7 @@ class StreamMode:
 
         def backward_prologue(*args, **kwargs):
             # Both engine.backward(loss) and a plain loss.backward() come through here, once.
+            self.colocation.refuse_if_offloaded("backward()")
             self._next_early = 0
             if self.timing.backward_begins(self.engine.is_gradient_accumulation_boundary()) and not self._in_step:
                 self._prefetch_into_slots()
@@ -209,6 +214,7 @@ class StreamMode:
     def _wrap_step(self, orig):
 
         def step(*args, **kwargs):
+            self.colocation.refuse_if_offloaded("step()")
             steps = self.steps
             try:
                 result = orig(*args, **kwargs)
@@ -228,6 +234,7 @@ class StreamMode:
             if not self._in_step:
                 self.synchronize_for_checkpoint()
                 if writes:
+                    self.colocation.refuse_if_offloaded(fn.__name__ + "()")
                     self._guard()
                     self.table.release_loaded()  # loaded early: the old values
             result = fn(*args, **kwargs)
@@ -236,15 +243,6 @@ class StreamMode:
             return result
 
         return wrapper
-
-    @staticmethod
-    def _refuse(name):
-
-        def refuse(*args, **kwargs):
-            raise RuntimeError(f"engine.{name}() is not available with deepspeed-offload attached: the optimizer "
-                               "state already lives in host memory and streams through each step")
-
-        return refuse
 
     # ------------------------------------------------------------------ backward: loads ahead of the step
 

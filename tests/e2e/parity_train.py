@@ -193,6 +193,60 @@ def checkpoint(engine, save):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# engine.offload_states()'s include of each cycle, in turn: everything, each kind alone or in pairs
+# (strings, as DeepSpeed's enum is a str enum; enum members on odd cycles)
+INCLUDES = [None, ["optim_states"], ["hp_params", "lp_params"], ["optim_states", "hp_params", "lp_grads"],
+            ["contiguous_grad_buffer", "hp_params"], ["lp_params", "lp_grads", "contiguous_grad_buffer"]]
+
+
+def colocation_cycle(engine, spec, step):
+    """What an RL trainer sharing its GPUs with rollouts does after a step: ``offload_states()``, a
+    rollout that takes device memory, ``reload_states()``. The include, ``pin_memory`` and
+    ``non_blocking`` vary from cycle to cycle. Returns what moved and what was off the device."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    include = INCLUDES[step % len(INCLUDES)] if spec["colocate"].get("include", "cycle") == "cycle" \
+        else spec["colocate"]["include"]
+    if include is not None and step % 2:
+        include = [OffloadStateTypeEnum(k) for k in include]
+    handle = deepspeed_offload.get_handle(engine)
+    pending = handle is not None and handle.checkpointer is not None and handle.checkpointer.pending()
+    before = [] if handle is None else [i for i in handle.order if handle.table[i].on_device]
+    engine.offload_states(include=include, pin_memory=step % 2 == 0, non_blocking=step % 3 == 1)
+    rec = {"checkpoint_pending": pending, "include": None if include is None else sorted(str(getattr(k, "value", k)) for k in include),
+           "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
+    if handle is not None:
+        rec.update(offload_bytes=handle.colocation.offload_bytes, host_resident=handle.host_resident(), before=before,
+                   on_device=[i for i in handle.order if handle.table[i].on_device])
+    rollout = torch.randn(1 << 16, device=get_accelerator().current_device_name())  # the rollout's memory
+    rollout.mul_(2).sum().item()
+    del rollout
+    engine.reload_states(non_blocking=step % 3 == 2)
+    rec["after_reload"] = sorted(s.value for s in engine.optimizer.offloaded_states)
+    if handle is not None:
+        rec["reload_bytes"] = handle.colocation.reload_bytes
+        rec["back_on_device"] = [i for i in handle.order if handle.table[i].on_device]
+    return rec
+
+
+def refusals_while_offloaded(engine, spec, device, dtype):
+    """After training: offload the optimizer's state, then ask for a step, a backward and a loader of
+    host state; each must raise (the message is returned) and leave the state where it was."""
+    engine.offload_states(include=["optim_states", "hp_params"])
+    out = {"boundary": engine.is_gradient_accumulation_boundary()}  # else step() leaves the optimizer alone
+    x = torch.randn(4, spec.get("hidden", 32)).to(device, dtype)
+    for name, call in (("step", engine.step),
+                       ("backward", lambda: engine.backward(engine(x, use_late=True).float().sum())),
+                       ("load_state_dict", lambda: engine.optimizer.load_state_dict(engine.optimizer.state_dict()))):
+        try:
+            call()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    out["still_offloaded"] = sorted(s.value for s in engine.optimizer.offloaded_states)
+    engine.reload_states()
+    return out
+
+
 def detach_and_check(engine):
     """Detach offload; report whether every patched method is DeepSpeed's own again."""
     handle = deepspeed_offload.get_handle(engine)
@@ -331,6 +385,8 @@ def train_with(spec):
         for save in spec.get("saves", []):
             if save["at"] == step + 1 and step >= start:
                 checkpoint(engine, save)
+        if spec.get("colocate") is not None and step >= start:  # after the save: a write may be in flight
+            result_extra.setdefault("colocation", []).append(colocation_cycle(engine, spec, step))
 
     deepspeed_offload.wait_for_checkpoint(engine)
     step_stats = [None if s is None else s.resolve() for s in step_stats]
@@ -347,19 +403,17 @@ def train_with(spec):
             if st is not None:
                 result["state"][f"{name}.{key}"] = st.cpu()
     handle = deepspeed_offload.get_handle(engine)
+    if handle is not None and (spec.get("colocate") or {}).get("refusals"):
+        result["refusals"] = refusals_while_offloaded(engine, spec, device, dtype)
     if handle is not None:
-        try:
-            engine.offload_states()
-            refused = None
-        except RuntimeError as e:
-            refused = str(e)
-        result["offload_states_refused"] = refused
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
                             "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]]),
                             "counters": getattr(handle, "counters", None),
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),
                             "kept": sorted(getattr(handle, "kept", ())),
+                            "resident_bytes": {i: {k: n * torch.empty(0, dtype=dt).element_size() for k, dt, n in e}
+                                               for i, e in handle.layout.resident_entries.items()},
                             "deferred_copies": getattr(handle.copies, "deferred", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}

@@ -14,7 +14,7 @@ one wait must break parity (a drain or a slot reuse without its wait breaks it t
 import pytest
 from deepspeed.accelerator import get_accelerator
 
-from harness import assert_bitwise_equal, gpus, launch, two_ranks_unavailable
+from harness import assert_bitwise_equal, gpus, launch, slow_writes, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -34,6 +34,11 @@ VARIANTS = {
     "deferred": dict(offload=OFFLOAD, copies="deferred"),
     "deferred_tiny": dict(offload=dict(OFFLOAD, overlap_memory_gb=1e-6), early_cap_first=True, copies="deferred"),
     "deferred_off": dict(offload=dict(OFFLOAD, overlap=False), copies="deferred"),
+    # engine.offload_states()/reload_states() after every step (an RL trainer's rollouts between
+    # steps), every include, pin_memory and non_blocking in turn; at the end a step, a backward and a
+    # load while offloaded must be refused
+    "colocate": dict(offload=OFFLOAD, colocate={"refusals": True}),
+    "deferred_colocate": dict(offload=OFFLOAD, colocate={}, copies="deferred"),
     # the negative control: loads into a staging slot do not wait for the slot's last write-back,
     # and parity must break (overlap off: the step streams every sub-group through the slots)
     "deferred_control": dict(offload=dict(OFFLOAD, overlap=False), copies="deferred_control"),
@@ -44,11 +49,12 @@ CASES = {
     # a detach mid-run (training goes on as plain ZeRO-3); a checkpoint at step 3 and its resume
     "one_param_per_sub_group": dict(
         spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True, clip=0.5),
-        variants=["overlap", "overlap_tiny", "overlap_off", "detach", "checkpoint", "resume"]),
+        variants=["overlap", "overlap_tiny", "overlap_off", "detach", "checkpoint", "resume", "colocate",
+                  "colocate_checkpoint", "colocate_resume"]),
     "few_large_sub_groups_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1500, gas=2),
-                                      variants=["overlap", "overlap_tiny", "overlap_off"]),
+                                      variants=["overlap", "overlap_tiny", "overlap_off", "colocate"]),
     "fp32_adam_clip": dict(spec=dict(dtype="fp32", sub_group_size=1, optimizer="torch_adam", clip=0.05),
-                           variants=["overlap", "overlap_off_no_prefetch"]),
+                           variants=["overlap", "overlap_off_no_prefetch", "colocate"]),
     # an infinite loss at step 2: DeepSpeed skips the update (a non-finite gradient norm); what
     # backward loaded is given back unused, and it counts in no step's stats
     "bf16_skipped_step": dict(spec=dict(dtype="bf16", sub_group_size=1000, overflow_step=2),
@@ -58,9 +64,9 @@ CASES = {
     # the copies as late as a GPU may run them: only the runtime's waits order them (CPU only)
     "deferred_copies": dict(spec=dict(dtype="bf16", sub_group_size=1000, gas=2, clip=0.5),
                             variants=["deferred", "deferred_tiny", "deferred_off", "deferred_control",
-                                      "deferred_checkpoint", "resume"]),
+                                      "deferred_checkpoint", "resume", "deferred_colocate"]),
     "budget_keeps_some_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True),
-                                       variants=["overlap", "overlap_off_no_prefetch"],
+                                       variants=["overlap", "overlap_off_no_prefetch", "colocate"],
                                        offload=dict(memory_budget_gb=12e-6)),
 }
 
@@ -79,6 +85,14 @@ def variant_specs(case, tmp_path):
                                    copies="deferred" if name == "deferred_checkpoint" else None)))
         elif name == "resume":
             out.append((name, dict(offload=dict(OFFLOAD, **extra), resume={"dir": str(tmp_path / "ckpt")})))
+        elif name == "colocate_checkpoint":
+            # offload_states() while the asynchronous write of step 3's checkpoint is in flight
+            save = {"at": 3, "tag": "t3", "dir": str(tmp_path / "ckpt_colocate"), "wait": False}
+            out.append((name, dict(offload=dict(OFFLOAD, async_checkpoint=True, **extra), saves=[save],
+                                   colocate={}, **slow_writes("t3", 0.5))))
+        elif name == "colocate_resume":  # cycles after load_checkpoint
+            out.append((name, dict(offload=dict(OFFLOAD, **extra), resume={"dir": str(tmp_path / "ckpt_colocate")},
+                                   colocate={})))
         elif name == "abort":
             out.append((name, dict(offload=dict(OFFLOAD, **extra), abort_at=2)))
         else:
@@ -96,7 +110,7 @@ def run_case(tmp_path, case, nprocs=2, steps=6, **overrides):
     for name, ours in results.items():
         if name == "plain":
             continue
-        if name == "resume":
+        if name in ("resume", "colocate_resume"):
             assert ours["start"] == 3 and ours["losses"] == plain["losses"][3 * spec.get("gas", 1):]
             assert_bitwise_equal(plain, ours, what=("fp32", "state"))
         elif name == "deferred_control":
@@ -114,7 +128,40 @@ def run_case(tmp_path, case, nprocs=2, steps=6, **overrides):
             assert {"_prepare_sub_group", "_release_sub_group", "step", "_backward_prologue"} <= set(d["patched"])
             continue
         check_stats(spec, name, ours)
+        if "colocate" in name:
+            check_colocation(spec, name, ours)
     return results
+
+
+OURS = {"hp_params": ("__master__", ), "optim_states": None}  # None: every key but the master
+
+
+def check_colocation(spec, name, ours):
+    """Each offload_states()/reload_states() cycle: what the include names is off the device, then
+    back; the offloaded sub-groups moved 0 bytes (they stay in the host store), the resident ones
+    exactly the bytes of the included kinds, both ways."""
+    cycles, handle = ours["colocation"], ours["handle"]
+    assert len(cycles) == spec["steps"] - ours["start"], (name, len(cycles))
+    kinds = {"optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"}
+    for c in cycles:
+        wanted = kinds if c["include"] is None else set(c["include"])
+        # contiguous_grad_buffer counts only where a bucket held a buffer (DeepSpeed's rule)
+        assert wanted - {"contiguous_grad_buffer"} <= set(c["offloaded"]) <= wanted, (name, c)
+        assert c["after_reload"] == [] and c["host_resident"] and not c["on_device"], (name, c)
+        expected = sum(n for per_key in handle["resident_bytes"].values() for key, n in per_key.items()
+                       if ("hp_params" in wanted and key == "__master__")
+                       or ("optim_states" in wanted and key != "__master__"))
+        assert c["offload_bytes"] == c["reload_bytes"] == expected, (name, c, handle["resident_bytes"])
+    if handle["resident"]:
+        assert any(c["offload_bytes"] > 0 for c in cycles), (name, cycles)
+    if name == "colocate_checkpoint":
+        assert cycles[2]["checkpoint_pending"], cycles[2]  # the write of step 3's save was in flight  # the resident ones did move
+    if "refusals" in ours:
+        r = ours["refusals"]
+        for call in ("step", "backward", "load_state_dict") if r["boundary"] else ("backward", "load_state_dict"):
+            assert r[call] and "StatesOffloaded" in r[call] and "reload_states() first" in r[call], (call, r)
+        assert r["boundary"] or spec.get("gas", 1) > 1, r
+        assert r["still_offloaded"] == ["hp_params", "optim_states"], r
 
 
 def check_stats(spec, name, ours):
@@ -122,7 +169,8 @@ def check_stats(spec, name, ours):
     back once, the bytes equal both ways; a skipped step adds nothing to the next one."""
     handle = ours["handle"]
     name = {"deferred": "overlap", "deferred_tiny": "overlap_tiny", "deferred_off": "overlap_off",
-            "deferred_checkpoint": "checkpoint"}.get(name, name)
+            "deferred_checkpoint": "checkpoint", "colocate": "overlap", "deferred_colocate": "overlap",
+            "colocate_checkpoint": "checkpoint", "colocate_resume": "resume"}.get(name, name)
     order, per_step = handle["order"], ours["step_stats"]
     assert order, "nothing was offloaded"
     assert len(per_step) == spec["steps"] - ours["start"]
@@ -174,7 +222,6 @@ def test_parity_two_ranks(tmp_path, case):
     if case == "budget_keeps_some_resident":
         assert results["overlap"]["handle"]["resident"], "the budget should keep the first sub-groups resident"
     if case == "one_param_per_sub_group":
-        assert "already lives in host memory" in results["overlap"]["offload_states_refused"]
         assert results["resume"]["loaded_into_store"] is True
 
 
@@ -283,6 +330,36 @@ def test_compile_mode_keeps_what_prefetch_loaded_before_the_pass_decided(tmp_pat
     h2d = [s["bytes_h2d"] for s in ours["step_stats"]]
     first_two = sum(nbytes[i] for i in handle["order"][:2])
     assert h2d == [sum(nbytes.values()), first_two, 0, 0, 0], h2d
+
+
+@needs_two_ranks
+def test_compile_mode_colocation(tmp_path):
+    """offload_states()/reload_states() after every step in compile mode: the sub-groups kept on the
+    device are written back to the host store (nothing else of ours moves), come back into buffers
+    of their own, where the next step updates them, and training is plain ZeRO-3 bit for bit."""
+    spec = dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, steps=5, api="deepspeed",
+                compile_ops={"reload": "all", "keep": 3}, colocate={"refusals": True})
+    plain_spec = {k: v for k, v in spec.items() if k not in ("compile_ops", "colocate")}
+    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None, colocate=None), {}]), tmp_path, "colocate")
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    handle = ours["handle"]
+    nbytes = dict(zip(handle["order"], handle["nbytes"]))
+    kept = handle["kept"]
+    assert len(kept) == 3 and not handle["resident"]
+    for c in ours["colocation"]:
+        # after a step, the reloaded sub-groups are still on the device (updated there): offload
+        # writes them all back, reload brings back only the kept ones (the others would have left
+        # at the next forward's head anyway)
+        moves = c["include"] is None or bool({"hp_params", "optim_states"} & set(c["include"]))
+        assert set(kept) <= set(c["before"]), c
+        assert c["offload_bytes"] == (sum(nbytes[i] for i in c["before"]) if moves else 0), c
+        assert c["reload_bytes"] == (sum(nbytes[i] for i in kept) if moves else 0), c
+        assert c["on_device"] == ([] if moves else c["before"]), c
+        assert c["back_on_device"] == (sorted(kept) if moves else c["before"]), c
+        assert c["host_resident"] == bool(moves) and c["after_reload"] == [], c
+    assert any(c["offload_bytes"] for c in ours["colocation"])
+    assert all("reload_states() first" in ours["refusals"][k] for k in ("step", "backward", "load_state_dict"))
 
 
 @pytest.mark.parametrize("name", list(COMPILE_OPS_CASES))

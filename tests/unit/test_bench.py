@@ -542,18 +542,22 @@ def check_worker_result(r, ranks):
 
 def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind):
     """The worker as the GPU runs it (a CPU accelerator, one rank): stream mode with overlap, the
-    second with gradient checkpointing. Two at once, the same mode, as two benches side by side (one
+    second with gradient checkpointing and engine.offload_states()/reload_states() cycles timed
+    after the iterations (colocate_stream). Two at once, the same mode, as two benches side by side (one
     per GPU) run them: each rank-0 rendezvous needs a port of its own (one derived from the mode's
     name made the second fail, EADDRINUSE)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = start_worker(tmp_path / "a", [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"))
-    second = start_worker(tmp_path / "b", [sys.executable], "stream_overlap", "--grad-ckpt")
+    second = start_worker(tmp_path / "b", [sys.executable], "colocate_stream", "--grad-ckpt")
     results = finish_worker(*first), finish_worker(*second)
     for r in results:
         check_worker_result(r, 1)
     assert results[0]["timeline"] is None  # asked for, but the allocator trace is CUDA's
     assert [r["grad_ckpt"] for r in results] == [False, True]
+    colocation = {k: v for k, v in results[1].items() if k.startswith("colocate_")}
+    assert colocation["colocate_offload_s"] > 0 and colocation["colocate_reload_s"] > 0, colocation
+    assert colocation["colocate_cycle_s"] >= colocation["colocate_offload_s"], colocation
     # every field a committed run's stream_overlap result has (the summary adds the overhead figures
     # and the driver the wall time; the timeline is CUDA's)
     committed = set().union(*(json.loads(p.read_text())["results"].get("stream_overlap", {}) for p in RUNS))

@@ -1,0 +1,193 @@
+"""``engine.offload_states()`` / ``engine.reload_states()`` with the block attached (RL colocation).
+
+Trainers that share their GPUs with rollouts (TRL's GRPO in colocate mode, OpenRLHF, verl) free the
+trainer's memory between steps with DeepSpeed's own ``engine.offload_states(include, device,
+pin_memory, non_blocking)`` and bring it back with ``engine.reload_states(non_blocking)``. The engine
+checks its arguments and calls the ZeRO-3 optimizer's methods of the same names; ``StateOffload``
+stands in for those two, installed by stream mode with its other hooks.
+
+Who moves what, per ``OffloadStateTypeEnum``:
+
+- ``hp_params`` (fp32 masters) and ``optim_states`` (the optimizer's per-parameter state), ours:
+  an offloaded sub-group's are in the host store already and move 0 bytes. What is on the device
+  moves: the sub-groups kept resident within ``memory_budget_gb`` go to a host store of their own
+  (exact size, pinned when ``pin_memory``; made at the first call, reused after), and compile mode's
+  sub-groups kept on the device are written back to the main store and, at reload, loaded again into
+  buffers of their own, where the next step expects them. Any optimizer the block accepts works
+  (DeepSpeed's own code for these two asserts FusedAdam).
+- ``lp_params`` (the 16-bit partitions): the trainable ones in one copy of DeepSpeed's flat buffer, as
+  DeepSpeed does, and the frozen ones (a LoRA's base weights) one by one. DeepSpeed's own code maps
+  every module parameter into the flat buffer, which holds only the trainable ones, and fails on a
+  model with frozen parameters; its ``reload_states`` brings the flat buffer back, we the frozen ones.
+- ``lp_grads``, ``contiguous_grad_buffer``: DeepSpeed's own code, unchanged.
+
+The state of a kind is in ``optimizer.offloaded_states`` (DeepSpeed's set) while it is off the
+device, ours included, so ``get_state_devices``-style readers see it. While anything is offloaded,
+``step()``, ``backward()`` and the loaders of host state raise ``StatesOffloaded`` before they touch
+anything: call ``reload_states()`` first.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+from .host_store import MASTER, HostStore
+
+OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
+LP = OffloadStateTypeEnum.lp_params
+
+
+class StatesOffloaded(RuntimeError):
+    """An operation that needs the optimizer's state on the device, called between
+    ``offload_states()`` and ``reload_states()``."""
+
+
+class StateOffload:
+    """The offload_states/reload_states of one attached engine. ``mode``: its ``StreamMode``."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.opt = mode.opt
+        self.resident_stores: Dict[bool, HostStore] = {}  # pin_memory -> the resident sub-groups' host copy
+        self.resident_on_host: Dict[OffloadStateTypeEnum, HostStore] = {}  # kind -> the store it is in
+        self.kept: List[int] = []  # compile mode's sub-groups that were on the device at offload
+        self.frozen_on_host: List[tuple] = []  # (ds_tensor, its device) of frozen parameters offloaded
+        self.offload_bytes = 0  # moved by the last offload_states() for hp_params and optim_states
+        self.reload_bytes = 0  # ... and by the last reload_states()
+
+    @property
+    def offloaded(self) -> set:
+        return set(self.opt.offloaded_states)
+
+    def refuse_if_offloaded(self, what: str):
+        if self.opt.offloaded_states:
+            names = ", ".join(sorted(s.value for s in self.opt.offloaded_states))
+            raise StatesOffloaded(f"deepspeed-offload: {what} called while engine.offload_states() has moved "
+                                  f"{names} off the device; call engine.reload_states() first")
+
+    # ------------------------------------------------------------------ the optimizer's two methods
+
+    def offload_states(self, orig, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False):
+        """``DeepSpeedZeroOptimizer_Stage3.offload_states``, ``orig`` its own version (for the kinds
+        that are not ours)."""
+        mode = self.mode
+        if mode._in_step:
+            raise StatesOffloaded("deepspeed-offload: engine.offload_states() called inside a step")
+        wanted = list(OffloadStateTypeEnum) if include is None else list(include)
+        ours = [k for k in OURS if k in wanted and k not in self.opt.offloaded_states]
+        lp = LP in wanted and LP not in self.opt.offloaded_states
+        others = [k for k in OffloadStateTypeEnum if k in wanted and k not in OURS and k is not LP]
+        moved = 0
+        if ours:
+            # Made (and its host memory checked) before anything moves.
+            store = self._resident_store(pin_memory) if self._resident_keys(ours) else None
+            # Write-backs land: what compile mode left updated on the device goes to the host store
+            # (those it keeps there between steps come back at reload_states).
+            updated = [i for i in mode.order if mode.table[i].on_device and mode.table[i].host_stale]
+            self.kept = [i for i in updated if i in mode.timing.kept]
+            mode.synchronize_for_checkpoint()
+            mode.table.release_loaded()  # loaded ahead of a step: the host copy is the current one
+            moved += sum(mode.layout.nbytes[i] for i in updated)
+            for kind in ours:
+                if store is not None:
+                    moved += self._move_resident(kind, store, non_blocking)
+                    self.resident_on_host[kind] = store
+        if lp:
+            self._offload_lp_params(pin_memory, non_blocking)
+        orig(include=others, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+        self.opt.offloaded_states.update(ours)
+        self.offload_bytes = moved
+
+    def reload_states(self, orig, non_blocking: bool = False):
+        """``DeepSpeedZeroOptimizer_Stage3.reload_states``, ``orig`` its own version."""
+        self.reload_ours(non_blocking)
+        frozen, self.frozen_on_host = self.frozen_on_host, []
+        orig(non_blocking=non_blocking)  # the other kinds and the trainable lp_params; synchronizes when non_blocking
+        for tensor, device in frozen:
+            tensor.data = tensor.data.to(device, non_blocking=non_blocking)
+        if frozen and non_blocking:
+            self.mode.acc.synchronize()
+
+    def reload_ours(self, non_blocking: bool = False):
+        """Our two kinds back where they were (stream mode's ``detach`` calls this too)."""
+        moved = 0
+        device = self.mode.acc.current_device_name()
+        for kind in OURS:
+            if kind not in self.opt.offloaded_states:
+                continue
+            self.opt.offloaded_states.discard(kind)  # DeepSpeed's reload must not see ours
+            store = self.resident_on_host.pop(kind, None)
+            if store is not None:
+                moved += self._move_resident(kind, None, non_blocking, device=device, store=store)
+        for i in self.kept:
+            moved += self.mode.preload(i)  # back into buffers of their own, where the step expects them
+        self.kept = []
+        self.reload_bytes = moved
+
+    # ------------------------------------------------------------------ the 16-bit partitions
+
+    def _offload_lp_params(self, pin_memory: bool, non_blocking: bool):
+        """DeepSpeed's lp_params offload, with the frozen parameters' partitions handled apart (see
+        above). Its ``reload_states`` reads ``lp_param_contiguous_pin_buffer`` when that exists."""
+        opt, acc = self.opt, self.mode.acc
+        from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
+        trainable = opt._get_parameter_partitions()
+        if pin_memory:
+            if not hasattr(opt, "lp_param_contiguous_pin_buffer"):
+                opt.lp_param_contiguous_pin_buffer = acc.pin_memory(torch.empty_like(opt.lp_param_buffer, device="cpu"))
+            host = opt.lp_param_contiguous_pin_buffer
+            host.copy_(opt.lp_param_buffer, non_blocking=non_blocking)
+        else:
+            host = opt.lp_param_buffer.to("cpu", non_blocking=non_blocking)
+        opt.lp_param_buffer.data = host
+        for tensor, offset, numel in get_mapping_to_flat_buffer(trainable):
+            tensor.data = host.narrow(0, offset, numel)
+        ids = {id(t) for t in trainable}
+        for p in opt.module.parameters():
+            t = getattr(p, "ds_tensor", None)
+            if t is not None and id(t) not in ids and t.device.type != "cpu":
+                self.frozen_on_host.append((t, t.device))
+                target = torch.empty_like(t.data, device="cpu", pin_memory=pin_memory and acc.device_name() != "cpu")
+                target.copy_(t.data, non_blocking=non_blocking)
+                t.data = target
+        opt.fp16_partitioned_groups_flat.clear()
+        opt.offloaded_states.add(LP)
+
+    # ------------------------------------------------------------------ the resident sub-groups
+
+    def _resident_keys(self, kinds) -> bool:
+        return any(self._keys(i, kind) for i in self.mode.resident for kind in kinds)
+
+    def _keys(self, i: int, kind) -> List[str]:
+        """The keys of resident sub-group ``i``'s tensors of ``kind`` that exist now (the master only
+        where it is not the model's own partition, as in the host store's layout)."""
+        keys = [key for key, _, _ in self.mode.layout.resident_entries.get(i, ())
+                if (key == MASTER) == (kind is OffloadStateTypeEnum.hp_params)]
+        return [key for key in keys if self.mode.tensors.get(i, key) is not None]
+
+    def _resident_store(self, pin_memory: bool) -> HostStore:
+        store = self.resident_stores.get(bool(pin_memory))
+        if store is None:
+            store = HostStore(self.mode.layout.resident_entries, bool(pin_memory), warn_pageable=False,
+                              what="engine.offload_states(pin_memory=...)")
+            self.resident_stores[bool(pin_memory)] = store
+        return store
+
+    def _move_resident(self, kind, to: Optional[HostStore], non_blocking: bool, device=None,
+                       store: Optional[HostStore] = None) -> int:
+        """The resident sub-groups' tensors of ``kind`` into host store ``to``, or (``to`` None) from
+        ``store`` back onto ``device``. Returns the bytes."""
+        moved = 0
+        for i in self.mode.resident:
+            for key in self._keys(i, kind):
+                t = self.mode.tensors.get(i, key)
+                if to is not None:
+                    target = to.view(i, key)
+                    target.copy_(t.data, non_blocking=non_blocking)
+                else:
+                    target = torch.empty_like(store.view(i, key), device=device)
+                    target.copy_(store.view(i, key), non_blocking=non_blocking)
+                t.data = target
+                moved += target.numel() * target.element_size()
+        return moved
