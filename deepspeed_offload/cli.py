@@ -95,7 +95,8 @@ def cmd_estimate(ns) -> int:
         print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
         return 2
     ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
-    est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, budget_gb)
+    est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, budget_gb,
+                   ns.largest_param)
     est["bandwidth_measured"] = measured
     if ns.json:
         print(json.dumps(est))
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "pinned host memory per node and the step's copy time, from the parameter count and the "
                          "host-device bandwidth (measured here when there is a CUDA device, or given).")
     est.add_argument("--params", type=positive_int, required=True, help="model parameters")
+    est.add_argument("--largest-param", type=positive_int, default=0,
+                     help="elements of the model's largest parameter (a Llama's embedding: vocabulary x hidden); "
+                     "one larger than a sub-group is a sub-group of its own and sets the staging slots")
     est.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks sharing the state")
     est.add_argument("--ranks-per-node", type=positive_int, default=None, help="default: min(world size, 8)")
     est.add_argument("--config", help="ds_config with the optimizer_state_offload block (budget, sub_group_mb)")

@@ -22,15 +22,17 @@ HOST_BANDWIDTH_GBPS = 72.9
 
 
 def estimate(params, world_size, ranks_per_node, bandwidth, host_bandwidth=HOST_BANDWIDTH_GBPS, sub_group_mb=256,
-             budget_gb=0.0) -> dict:
+             budget_gb=0.0, largest_param=0) -> dict:
     """What offload frees and costs per rank and per node (bytes, GB/s, seconds): ``params`` over
     ``world_size`` ranks, ``ranks_per_node`` of them sharing a host whose memory gives
     ``host_bandwidth`` GB/s each way in all, each rank's link ``bandwidth`` GB/s each way; the part of
-    the state under ``budget_gb`` stays resident (None: derived at attach, taken as 0 here)."""
+    the state under ``budget_gb`` stays resident (None: derived at attach, taken as 0 here).
+    ``largest_param``: the elements of the largest parameter (a Llama's embedding, vocabulary x
+    hidden): one larger than a sub-group is a sub-group of its own, and sets the staging slot."""
     per_rank = state_bytes_per_rank(params, world_size)
     resident = 0 if budget_gb is None else min(per_rank, int(budget_gb * 2**30))
     offloaded = per_rank - resident
-    slot = min(offloaded, sub_group_mb * 2**20)
+    slot = min(offloaded, max(sub_group_mb * 2**20, state_bytes_per_rank(largest_param, world_size)))
     # Every rank of the node copies at once: each gets its own link's bandwidth until their sum
     # reaches what the host's memory gives all of them together.
     per_rank_bw = min(bandwidth, host_bandwidth / ranks_per_node)

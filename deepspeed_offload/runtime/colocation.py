@@ -21,16 +21,17 @@ Who moves what, per ``OffloadStateTypeEnum``:
   model with frozen parameters; its ``reload_states`` brings the flat buffer back, we the frozen ones.
 - ``lp_grads``, ``contiguous_grad_buffer``: DeepSpeed's own code, unchanged.
 
-The state of a kind is in ``optimizer.offloaded_states`` (DeepSpeed's set) while it is off the
-device, ours included, so ``get_state_devices``-style readers see it. While anything is offloaded,
-``step()``, ``backward()`` and the loaders of host state raise ``StatesOffloaded`` before they touch
-anything: call ``reload_states()`` first.
+A kind is in ``optimizer.offloaded_states`` (DeepSpeed's set) while it is off the device, ours
+included (marked as it moves, so a failure half-way leaves it known). While anything is offloaded,
+``engine.step()``, ``engine.backward()`` (and the gradient hooks' prologue), ``engine.load_checkpoint()``,
+the optimizer's writers of host state and ``detach()`` raise ``StatesOffloaded`` on entry, before
+they change anything: call ``reload_states()`` first (stream mode installs those refusals).
 """
 
 from typing import Dict, List, Optional
 
 import torch
-from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
 from .host_store import MASTER, HostStore
 
@@ -52,6 +53,8 @@ class StateOffload:
         self.resident_stores: Dict[bool, HostStore] = {}  # pin_memory -> the resident sub-groups' host copy
         self.resident_on_host: Dict[OffloadStateTypeEnum, HostStore] = {}  # kind -> the store it is in
         self.kept: List[int] = []  # compile mode's sub-groups that were on the device at offload
+        self.copied = None  # event of a non-blocking offload's copies into the resident host store
+        self.fp32_aliases: List[tuple] = []  # (sub-group, offset) of masters that are the 16-bit partition (fp32)
         self.frozen_on_host: List[tuple] = []  # (ds_tensor, its device) of frozen parameters offloaded
         self.offload_bytes = 0  # moved by the last offload_states() for hp_params and optim_states
         self.reload_bytes = 0  # ... and by the last reload_states()
@@ -68,7 +71,8 @@ class StateOffload:
 
     # ------------------------------------------------------------------ the optimizer's two methods
 
-    def offload_states(self, orig, include=None, device=None, pin_memory: bool = True, non_blocking: bool = False):
+    def offload_states(self, orig, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
+                       non_blocking: bool = False):
         """``DeepSpeedZeroOptimizer_Stage3.offload_states``, ``orig`` its own version (for the kinds
         that are not ours)."""
         mode = self.mode
@@ -85,7 +89,7 @@ class StateOffload:
             # Write-backs land: what compile mode left updated on the device goes to the host store
             # (those it keeps there between steps come back at reload_states).
             updated = [i for i in mode.order if mode.table[i].on_device and mode.table[i].host_stale]
-            self.kept = [i for i in updated if i in mode.timing.kept]
+            self.kept = sorted(set(self.kept) | {i for i in updated if i in mode.timing.kept})
             mode.synchronize_for_checkpoint()
             mode.table.release_loaded()  # loaded ahead of a step: the host copy is the current one
             moved += sum(mode.layout.nbytes[i] for i in updated)
@@ -93,17 +97,28 @@ class StateOffload:
                 if store is not None:
                     moved += self._move_resident(kind, store, non_blocking)
                     self.resident_on_host[kind] = store
+                self.opt.offloaded_states.add(kind)  # marked as it moves: a failure below leaves it known
+            if non_blocking and store is not None:
+                self.copied = mode.copies.mark()  # CPU readers of the host copy wait for it (wait_for_copies)
+        self.offload_bytes = moved
         if lp:
             self._offload_lp_params(pin_memory, non_blocking)
         orig(include=others, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
-        self.opt.offloaded_states.update(ours)
-        self.offload_bytes = moved
+
+    def wait_for_copies(self):
+        """Before the CPU reads the resident sub-groups' host copy: a non-blocking offload has landed."""
+        if self.copied is not None:
+            self.mode.copies.wait_host(self.copied)
+            self.copied = None
 
     def reload_states(self, orig, non_blocking: bool = False):
         """``DeepSpeedZeroOptimizer_Stage3.reload_states``, ``orig`` its own version."""
         self.reload_ours(non_blocking)
         frozen, self.frozen_on_host = self.frozen_on_host, []
+        aliases, self.fp32_aliases = self.fp32_aliases, []
         orig(non_blocking=non_blocking)  # the other kinds and the trainable lp_params; synchronizes when non_blocking
+        for i, _ in aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
+            self.opt.fp32_partitioned_groups_flat[i].data = self.opt.fp16_partitioned_groups_flat[i].data
         for tensor, device in frozen:
             tensor.data = tensor.data.to(device, non_blocking=non_blocking)
         if frozen and non_blocking:
@@ -133,6 +148,8 @@ class StateOffload:
         opt, acc = self.opt, self.mode.acc
         from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
         trainable = opt._get_parameter_partitions()
+        if not pin_memory and hasattr(opt, "lp_param_contiguous_pin_buffer"):
+            del opt.lp_param_contiguous_pin_buffer  # DeepSpeed's reload would read it: an older copy
         if pin_memory:
             if not hasattr(opt, "lp_param_contiguous_pin_buffer"):
                 opt.lp_param_contiguous_pin_buffer = acc.pin_memory(torch.empty_like(opt.lp_param_buffer, device="cpu"))
@@ -140,9 +157,17 @@ class StateOffload:
             host.copy_(opt.lp_param_buffer, non_blocking=non_blocking)
         else:
             host = opt.lp_param_buffer.to("cpu", non_blocking=non_blocking)
+        device_buffer = opt.lp_param_buffer.data
         opt.lp_param_buffer.data = host
         for tensor, offset, numel in get_mapping_to_flat_buffer(trainable):
             tensor.data = host.narrow(0, offset, numel)
+        # Without mixed precision a master is its 16-bit partition, a view of the flat buffer: it goes too.
+        size = device_buffer.element_size()
+        for i, flat in enumerate(opt.fp16_partitioned_groups_flat):
+            if flat is not None and flat is opt.fp32_partitioned_groups_flat[i] and flat.device == device_buffer.device:
+                offset = (flat.data_ptr() - device_buffer.data_ptr()) // size
+                self.fp32_aliases.append((i, offset))
+                flat.data = host.narrow(0, offset, flat.numel())
         ids = {id(t) for t in trainable}
         for p in opt.module.parameters():
             t = getattr(p, "ds_tensor", None)

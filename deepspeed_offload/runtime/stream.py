@@ -152,15 +152,27 @@ class StreamMode:
         # engine.offload_states()/reload_states() check their arguments and call these two.
         patch(opt, "offload_states", lambda orig: lambda *a, **kw: self.colocation.offload_states(orig, *a, **kw))
         patch(opt, "reload_states", lambda orig: lambda *a, **kw: self.colocation.reload_states(orig, *a, **kw))
+        # ... and while they are in effect, these refuse on entry, before the engine changes anything.
+        for name in ("step", "backward", "load_checkpoint"):
+            patch(engine, name, lambda orig, name=name: self._refuse_if_offloaded(orig, name))
+
+    def _refuse_if_offloaded(self, orig, name):
+
+        def call(*args, **kwargs):
+            self.colocation.refuse_if_offloaded(f"engine.{name}()")
+            return orig(*args, **kwargs)
+
+        return call
 
     def detach(self):
         """Undo attach: write everything back, point the optimizer's tensors at device copies of
         their state again, and remove every hook (the engine and optimizer methods are DeepSpeed's
-        own again). A pending asynchronous checkpoint is waited for first. Call it on every rank."""
+        own again). A pending asynchronous checkpoint is waited for first. Call it on every rank;
+        not between ``offload_states()`` and ``reload_states()``."""
+        self.colocation.refuse_if_offloaded("detach()")
         if self.checkpointer is not None:
             self.checkpointer.close()  # waits for the last save (collective), removes its hooks
             self.checkpointer = None
-        self.colocation.reload_ours()
         self.synchronize_for_checkpoint()
         self.table.release_loaded()
         device = self.acc.current_device_name()
@@ -232,6 +244,7 @@ class StreamMode:
 
         def wrapper(*args, **kwargs):
             if not self._in_step:
+                self.colocation.wait_for_copies()
                 self.synchronize_for_checkpoint()
                 if writes:
                     self.colocation.refuse_if_offloaded(fn.__name__ + "()")

@@ -195,8 +195,10 @@ def checkpoint(engine, save):
 
 # engine.offload_states()'s include of each cycle, in turn: everything, each kind alone or in pairs
 # (strings, as DeepSpeed's enum is a str enum; enum members on odd cycles)
-INCLUDES = [None, ["optim_states"], ["hp_params", "lp_params"], ["optim_states", "hp_params", "lp_grads"],
-            ["contiguous_grad_buffer", "hp_params"], ["lp_params", "lp_grads", "contiguous_grad_buffer"]]
+# (the 16-bit parameters go to a pinned buffer at step 0, to a pageable one at step 1: the reload must
+# not bring back the older pinned copy)
+INCLUDES = [None, ["hp_params", "lp_params"], ["optim_states"], ["lp_params", "lp_grads", "contiguous_grad_buffer"],
+            ["contiguous_grad_buffer", "hp_params"], ["optim_states", "hp_params", "lp_grads"]]
 
 
 def colocation_cycle(engine, spec, step):
@@ -216,7 +218,8 @@ def colocation_cycle(engine, spec, step):
            "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
     if handle is not None:
         rec.update(offload_bytes=handle.colocation.offload_bytes, host_resident=handle.host_resident(), before=before,
-                   on_device=[i for i in handle.order if handle.table[i].on_device])
+                   on_device=[i for i in handle.order if handle.table[i].on_device],
+                   resident_in_store=resident_in_store(handle))
     rollout = torch.randn(1 << 16, device=get_accelerator().current_device_name())  # the rollout's memory
     rollout.mul_(2).sum().item()
     del rollout
@@ -224,19 +227,38 @@ def colocation_cycle(engine, spec, step):
     rec["after_reload"] = sorted(s.value for s in engine.optimizer.offloaded_states)
     if handle is not None:
         rec["reload_bytes"] = handle.colocation.reload_bytes
+        rec["resident_in_store_after_reload"] = resident_in_store(handle)
         rec["back_on_device"] = [i for i in handle.order if handle.table[i].on_device]
     return rec
+
+
+def resident_in_store(handle):
+    """The resident sub-groups' tensors that point into a host store of offload_states(), by key kind."""
+    stores = list(handle.colocation.resident_stores.values())
+    out = set()
+    for i, entries in handle.layout.resident_entries.items():
+        for key, _, _ in entries:
+            t = handle.tensors.get(i, key)
+            if t is not None and any(t.data_ptr() == s.view(i, key).data_ptr() for s in stores):
+                out.add("hp_params" if key == MASTER else "optim_states")
+    return sorted(out)
 
 
 def refusals_while_offloaded(engine, spec, device, dtype):
     """After training: offload the optimizer's state, then ask for a step, a backward and a loader of
     host state; each must raise (the message is returned) and leave the state where it was."""
+    masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()
+               if p.requires_grad}
+    steps = engine.global_steps
     engine.offload_states(include=["optim_states", "hp_params"])
-    out = {"boundary": engine.is_gradient_accumulation_boundary()}  # else step() leaves the optimizer alone
+    out = {}
     x = torch.randn(4, spec.get("hidden", 32)).to(device, dtype)
     for name, call in (("step", engine.step),
                        ("backward", lambda: engine.backward(engine(x, use_late=True).float().sum())),
-                       ("load_state_dict", lambda: engine.optimizer.load_state_dict(engine.optimizer.state_dict()))):
+                       ("tensor_backward", lambda: engine(x, use_late=True).float().sum().backward()),
+                       ("load_state_dict", lambda: engine.optimizer.load_state_dict(engine.optimizer.state_dict())),
+                       ("load_checkpoint", lambda: engine.load_checkpoint(spec.get("out", "") + ".nothing")),
+                       ("detach", deepspeed_offload.get_handle(engine).detach)):
         try:
             call()
             out[name] = None
@@ -244,6 +266,9 @@ def refusals_while_offloaded(engine, spec, device, dtype):
             out[name] = f"{type(e).__name__}: {e}"
     out["still_offloaded"] = sorted(s.value for s in engine.optimizer.offloaded_states)
     engine.reload_states()
+    out["unchanged"] = engine.global_steps == steps and all(
+        torch.equal(safe_get_full_fp32_param(p), masters[n]) for n, p in engine.module.named_parameters()
+        if p.requires_grad)
     return out
 
 
