@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 
 import torch
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 
 from .host_store import MASTER, HostStore
 
@@ -54,14 +55,10 @@ class StateOffload:
         self.resident_on_host: Dict[OffloadStateTypeEnum, HostStore] = {}  # kind -> the store it is in
         self.kept: List[int] = []  # compile mode's sub-groups that were on the device at offload
         self.copied = None  # event of a non-blocking offload's copies into the resident host store
-        self.fp32_aliases: List[tuple] = []  # (sub-group, offset) of masters that are the 16-bit partition (fp32)
+        self.fp32_aliases: List[int] = []  # sub-groups whose master is its 16-bit partition (fp32), offloaded
         self.frozen_on_host: List[tuple] = []  # (ds_tensor, its device) of frozen parameters offloaded
         self.offload_bytes = 0  # moved by the last offload_states() for hp_params and optim_states
         self.reload_bytes = 0  # ... and by the last reload_states()
-
-    @property
-    def offloaded(self) -> set:
-        return set(self.opt.offloaded_states)
 
     def refuse_if_offloaded(self, what: str):
         if self.opt.offloaded_states:
@@ -113,25 +110,12 @@ class StateOffload:
 
     def reload_states(self, orig, non_blocking: bool = False):
         """``DeepSpeedZeroOptimizer_Stage3.reload_states``, ``orig`` its own version."""
-        self.reload_ours(non_blocking)
-        frozen, self.frozen_on_host = self.frozen_on_host, []
-        aliases, self.fp32_aliases = self.fp32_aliases, []
-        orig(non_blocking=non_blocking)  # the other kinds and the trainable lp_params; synchronizes when non_blocking
-        for i, _ in aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
-            self.opt.fp32_partitioned_groups_flat[i].data = self.opt.fp16_partitioned_groups_flat[i].data
-        for tensor, device in frozen:
-            tensor.data = tensor.data.to(device, non_blocking=non_blocking)
-        if frozen and non_blocking:
-            self.mode.acc.synchronize()
-
-    def reload_ours(self, non_blocking: bool = False):
-        """Our two kinds back where they were (stream mode's ``detach`` calls this too)."""
         moved = 0
         device = self.mode.acc.current_device_name()
         for kind in OURS:
             if kind not in self.opt.offloaded_states:
                 continue
-            self.opt.offloaded_states.discard(kind)  # DeepSpeed's reload must not see ours
+            self.opt.offloaded_states.discard(kind)  # DeepSpeed's reload below must not see ours
             store = self.resident_on_host.pop(kind, None)
             if store is not None:
                 moved += self._move_resident(kind, None, non_blocking, device=device, store=store)
@@ -139,6 +123,15 @@ class StateOffload:
             moved += self.mode.preload(i)  # back into buffers of their own, where the step expects them
         self.kept = []
         self.reload_bytes = moved
+        frozen, self.frozen_on_host = self.frozen_on_host, []
+        aliases, self.fp32_aliases = self.fp32_aliases, []
+        orig(non_blocking=non_blocking)  # the other kinds and the trainable lp_params; synchronizes when non_blocking
+        for i in aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
+            self.opt.fp32_partitioned_groups_flat[i].data = self.opt.fp16_partitioned_groups_flat[i].data
+        for tensor, home in frozen:
+            tensor.data = tensor.data.to(home, non_blocking=non_blocking)
+        if frozen and non_blocking:
+            self.mode.acc.synchronize()
 
     # ------------------------------------------------------------------ the 16-bit partitions
 
@@ -146,7 +139,6 @@ class StateOffload:
         """DeepSpeed's lp_params offload, with the frozen parameters' partitions handled apart (see
         above). Its ``reload_states`` reads ``lp_param_contiguous_pin_buffer`` when that exists."""
         opt, acc = self.opt, self.mode.acc
-        from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
         trainable = opt._get_parameter_partitions()
         if not pin_memory and hasattr(opt, "lp_param_contiguous_pin_buffer"):
             del opt.lp_param_contiguous_pin_buffer  # DeepSpeed's reload would read it: an older copy
@@ -166,7 +158,7 @@ class StateOffload:
         for i, flat in enumerate(opt.fp16_partitioned_groups_flat):
             if flat is not None and flat is opt.fp32_partitioned_groups_flat[i] and flat.device == device_buffer.device:
                 offset = (flat.data_ptr() - device_buffer.data_ptr()) // size
-                self.fp32_aliases.append((i, offset))
+                self.fp32_aliases.append(i)
                 flat.data = host.narrow(0, offset, flat.numel())
         ids = {id(t) for t in trainable}
         for p in opt.module.parameters():

@@ -226,7 +226,6 @@ class StreamMode:
     def _wrap_step(self, orig):
 
         def step(*args, **kwargs):
-            self.colocation.refuse_if_offloaded("step()")
             steps = self.steps
             try:
                 result = orig(*args, **kwargs)
