@@ -19,7 +19,11 @@ Who moves what, per ``OffloadStateTypeEnum``:
   DeepSpeed does, and the frozen ones (a LoRA's base weights) one by one. DeepSpeed's own code maps
   every module parameter into the flat buffer, which holds only the trainable ones, and fails on a
   model with frozen parameters; its ``reload_states`` brings the flat buffer back, we the frozen ones.
-- ``lp_grads``, ``contiguous_grad_buffer``: DeepSpeed's own code, unchanged.
+- ``lp_grads`` (the flat buffer of gradient partitions) and ``contiguous_grad_buffer`` (the reduce
+  buckets): as DeepSpeed does (the same buffers and attributes, so its ``reload_states`` brings them
+  back), without its ``gc.collect()``: a full collection of the trainer's Python heap costs more than
+  our whole offload and frees nothing of ours (every device tensor we drop is released when its last
+  reference goes). DeepSpeed's ``offload_states`` is not called at all; its ``reload_states`` is.
 
 A kind is in ``optimizer.offloaded_states`` (DeepSpeed's set) while it is off the device, ours
 included (marked as it moves, so a failure half-way leaves it known). While anything is offloaded,
@@ -38,6 +42,11 @@ from .host_store import MASTER, HostStore
 
 OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
 LP = OffloadStateTypeEnum.lp_params
+LP_GRADS = OffloadStateTypeEnum.lp_grads
+BUCKETS = OffloadStateTypeEnum.contiguous_grad_buffer
+# DeepSpeed's map from a parameter to its view of the gradient buffer (a private, name-mangled attribute
+# its reload_states rebuilds): the views hold the device buffer alive until it is emptied.
+GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 class StatesOffloaded(RuntimeError):
@@ -68,17 +77,16 @@ class StateOffload:
 
     # ------------------------------------------------------------------ the optimizer's two methods
 
-    def offload_states(self, orig, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
+    def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
                        non_blocking: bool = False):
-        """``DeepSpeedZeroOptimizer_Stage3.offload_states``, ``orig`` its own version (for the kinds
-        that are not ours)."""
-        mode = self.mode
+        """``DeepSpeedZeroOptimizer_Stage3.offload_states``, every kind (see the module's docstring)."""
+        mode, opt = self.mode, self.opt
         if mode._in_step:
             raise StatesOffloaded("deepspeed-offload: engine.offload_states() called inside a step")
-        wanted = list(OffloadStateTypeEnum) if include is None else list(include)
-        ours = [k for k in OURS if k in wanted and k not in self.opt.offloaded_states]
-        lp = LP in wanted and LP not in self.opt.offloaded_states
-        others = [k for k in OffloadStateTypeEnum if k in wanted and k not in OURS and k is not LP]
+        wanted = [k for k in (list(OffloadStateTypeEnum) if include is None else list(include))
+                  if k not in opt.offloaded_states]
+        opt.empty_partition_cache()  # as DeepSpeed: the gathered parameters are released first
+        ours = [k for k in OURS if k in wanted]
         moved = 0
         if ours:
             # Made (and its host memory checked) before anything moves.
@@ -94,13 +102,21 @@ class StateOffload:
                 if store is not None:
                     moved += self._move_resident(kind, store, non_blocking)
                     self.resident_on_host[kind] = store
-                self.opt.offloaded_states.add(kind)  # marked as it moves: a failure below leaves it known
+                opt.offloaded_states.add(kind)  # marked as it moves: a failure below leaves it known
             if non_blocking and store is not None:
                 self.copied = mode.copies.mark()  # CPU readers of the host copy wait for it (wait_for_copies)
         self.offload_bytes = moved
-        if lp:
+        if LP in wanted:
             self._offload_lp_params(pin_memory, non_blocking)
-        orig(include=others, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+        if LP_GRADS in wanted:
+            self._offload_lp_grads(pin_memory, non_blocking)
+        if BUCKETS in wanted:
+            for bucket in opt.ipg_buckets.values():
+                if bucket.buffer is not None:  # DeepSpeed's reload makes an empty one of this shape
+                    bucket.buffer_meta = bucket.buffer.to("meta")
+                    bucket.buffer = None
+                    opt.offloaded_states.add(BUCKETS)
+        mode.acc.empty_cache()  # the rollout in this process or another sees the memory free
 
     def wait_for_copies(self):
         """Before the CPU reads the resident sub-groups' host copy: a non-blocking offload has landed."""
@@ -170,6 +186,24 @@ class StateOffload:
                 t.data = target
         opt.fp16_partitioned_groups_flat.clear()
         opt.offloaded_states.add(LP)
+
+    def _offload_lp_grads(self, pin_memory: bool, non_blocking: bool):
+        """The flat buffer of gradient partitions to the host (DeepSpeed's pinned buffer when
+        ``pin_memory``, made once), its per-parameter views dropped; DeepSpeed's reload rebuilds them."""
+        opt = self.opt
+        buffer = opt.grad_partitions_flat_buffer
+        if not pin_memory and hasattr(opt, "lp_grad_partitions_flat_pin_buffers"):
+            del opt.lp_grad_partitions_flat_pin_buffers  # DeepSpeed's reload would read it: an older copy
+        if pin_memory:
+            if not hasattr(opt, "lp_grad_partitions_flat_pin_buffers"):
+                opt.lp_grad_partitions_flat_pin_buffers = self.mode.acc.pin_memory(torch.empty_like(buffer, device="cpu"))
+            opt.lp_grad_partitions_flat_pin_buffers.copy_(buffer, non_blocking=non_blocking)
+            buffer.data = opt.lp_grad_partitions_flat_pin_buffers
+        else:
+            buffer.data = buffer.data.to("cpu")
+        opt.averaged_gradients = {}
+        setattr(opt, GRAD_VIEWS, {})
+        opt.offloaded_states.add(LP_GRADS)
 
     # ------------------------------------------------------------------ the resident sub-groups
 

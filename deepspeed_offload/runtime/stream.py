@@ -150,7 +150,7 @@ class StreamMode:
         if self.overlap:
             patch(opt, GRADIENT_HOOK, lambda orig: self._wrap_gradient_hook(orig))
         # engine.offload_states()/reload_states() check their arguments and call these two.
-        patch(opt, "offload_states", lambda orig: lambda *a, **kw: self.colocation.offload_states(orig, *a, **kw))
+        patch(opt, "offload_states", lambda orig: self.colocation.offload_states)
         patch(opt, "reload_states", lambda orig: lambda *a, **kw: self.colocation.reload_states(orig, *a, **kw))
         # ... and while they are in effect, these refuse on entry, before the engine changes anything.
         for name in ("step", "backward", "load_checkpoint"):
