@@ -20,20 +20,25 @@ CASES = {
     "reload_in_backward_gas2": dict(gas=2, offload={"enabled": True, "mode": "compile"}),
     # budget 0: nothing comes back early, the step streams everything
     "budget_0_streams_everything": dict(offload={"enabled": True, "mode": "compile", "memory_budget_gb": 0}),
+    # RL colocation: engine.offload_states()/reload_states() after every step, through every include,
+    # pin_memory and non_blocking (the plain run trains without them)
+    "reload_in_backward_colocate": dict(offload={"enabled": True, "mode": "compile"}, colocate={}),
 }
 
 
 def run_case(tmp_path, name, nprocs):
     spec = dict(BASE, **CASES[name])
-    offload = spec.pop("offload")
+    offload, colocate = spec.pop("offload"), spec.pop("colocate", None)
     plain = launch(dict(spec, api="deepspeed"), tmp_path, f"{name}-plain", nprocs=nprocs)
-    ours = launch(dict(spec, offload=offload), tmp_path, f"{name}-compile", nprocs=nprocs)
+    ours = launch(dict(spec, offload=offload, colocate=colocate), tmp_path, f"{name}-compile", nprocs=nprocs)
     assert_bitwise_equal(plain, ours)
     assert len(ours["losses"]) == spec["steps"] * spec.get("gas", 1)  # one loss per micro-batch
     counters = ours["handle"]["counters"]
     assert counters is not None and counters["phases"] >= 1
     assert counters["empty_cache"] == counters["phases"]  # once per compile phase, not per step
-    if offload.get("memory_budget_gb") == 0:
+    if colocate is not None:
+        check_colocation(ours)
+    elif offload.get("memory_budget_gb") == 0:
         assert counters["reloads"] == 0 and ours["handle"]["stats"]["sub_groups"] == len(ours["handle"]["order"])
     else:
         handle = ours["handle"]
@@ -43,6 +48,23 @@ def run_case(tmp_path, name, nprocs):
         h2d = [s["bytes_h2d"] for s in ours["step_stats"] if s is not None]
         assert min(h2d) == sum(nbytes.values()) - sum(nbytes[i] for i in kept), (h2d, kept)
     return ours
+
+
+def check_colocation(ours):
+    """Each cycle: what compile mode had on the device went to the host store when the include named
+    our kinds, the kept sub-groups came back into buffers of their own (their bytes both ways), and
+    nothing of ours was left off the device."""
+    handle = ours["handle"]
+    kept, nbytes = handle["kept"], dict(zip(handle["order"], handle["nbytes"]))
+    cycles = ours["colocation"]
+    assert kept and len(cycles) == BASE["steps"], (kept, len(cycles))
+    for c in cycles:
+        moves = c["include"] is None or bool({"hp_params", "optim_states"} & set(c["include"]))
+        assert c["after_reload"] == [], c
+        assert c["offload_bytes"] == (sum(nbytes[i] for i in c["before"]) if moves else 0), c
+        assert c["reload_bytes"] == (sum(nbytes[i] for i in kept) if moves else 0), c
+        assert c["back_on_device"] == (sorted(kept) if moves else c["before"]), c
+    assert any(c["offload_bytes"] for c in cycles), cycles
 
 
 @pytest.mark.gpu
