@@ -19,11 +19,14 @@ Who moves what, per ``OffloadStateTypeEnum``:
   DeepSpeed does, and the frozen ones (a LoRA's base weights) one by one. DeepSpeed's own code maps
   every module parameter into the flat buffer, which holds only the trainable ones, and fails on a
   model with frozen parameters; its ``reload_states`` brings the flat buffer back, we the frozen ones.
-- ``lp_grads`` (the flat buffer of gradient partitions) and ``contiguous_grad_buffer`` (the reduce
-  buckets): as DeepSpeed does (the same buffers and attributes, so its ``reload_states`` brings them
-  back), without its ``gc.collect()``: a full collection of the trainer's Python heap costs more than
-  our whole offload and frees nothing of ours (every device tensor we drop is released when its last
-  reference goes). DeepSpeed's ``offload_states`` is not called at all; its ``reload_states`` is.
+- ``lp_grads`` (the flat buffer of gradient partitions): ours both ways, with each parameter's view of
+  the buffer kept the same tensor object (DeepCompile holds them; DeepSpeed's reload makes new ones).
+- ``contiguous_grad_buffer`` (the reduce buckets): as DeepSpeed does, its ``reload_states`` makes them
+  again.
+DeepSpeed's ``offload_states`` is not called at all: it ends with a ``gc.collect()``, a full collection
+of the trainer's Python heap (0.3 s in a trainer with 600k objects), which frees nothing of ours (every
+device tensor we drop is released with its last reference). Its ``reload_states`` is, for the kinds
+not done here.
 
 A kind is in ``optimizer.offloaded_states`` (DeepSpeed's set) while it is off the device, ours
 included (marked as it moves, so a failure half-way leaves it known). While anything is offloaded,
@@ -32,6 +35,7 @@ the optimizer's writers of host state and ``detach()`` raise ``StatesOffloaded``
 they change anything: call ``reload_states()`` first (stream mode installs those refusals).
 """
 
+import itertools
 from typing import Dict, List, Optional
 
 import torch
@@ -44,8 +48,7 @@ OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
 LP = OffloadStateTypeEnum.lp_params
 LP_GRADS = OffloadStateTypeEnum.lp_grads
 BUCKETS = OffloadStateTypeEnum.contiguous_grad_buffer
-# DeepSpeed's map from a parameter to its view of the gradient buffer (a private, name-mangled attribute
-# its reload_states rebuilds): the views hold the device buffer alive until it is emptied.
+# DeepSpeed's map from a parameter to its view of the gradient buffer (a private, name-mangled attribute).
 GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
@@ -141,7 +144,9 @@ class StateOffload:
         self.reload_bytes = moved
         frozen, self.frozen_on_host = self.frozen_on_host, []
         aliases, self.fp32_aliases = self.fp32_aliases, []
-        orig(non_blocking=non_blocking)  # the other kinds and the trainable lp_params; synchronizes when non_blocking
+        if LP_GRADS in self.opt.offloaded_states:
+            self._reload_lp_grads(non_blocking)
+        orig(non_blocking=non_blocking)  # the buckets and the trainable lp_params; synchronizes when non_blocking
         for i in aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
             self.opt.fp32_partitioned_groups_flat[i].data = self.opt.fp16_partitioned_groups_flat[i].data
         for tensor, home in frozen:
@@ -189,11 +194,9 @@ class StateOffload:
 
     def _offload_lp_grads(self, pin_memory: bool, non_blocking: bool):
         """The flat buffer of gradient partitions to the host (DeepSpeed's pinned buffer when
-        ``pin_memory``, made once), its per-parameter views dropped; DeepSpeed's reload rebuilds them."""
+        ``pin_memory``, made once), each parameter's view of it with it."""
         opt = self.opt
         buffer = opt.grad_partitions_flat_buffer
-        if not pin_memory and hasattr(opt, "lp_grad_partitions_flat_pin_buffers"):
-            del opt.lp_grad_partitions_flat_pin_buffers  # DeepSpeed's reload would read it: an older copy
         if pin_memory:
             if not hasattr(opt, "lp_grad_partitions_flat_pin_buffers"):
                 opt.lp_grad_partitions_flat_pin_buffers = self.mode.acc.pin_memory(torch.empty_like(buffer, device="cpu"))
@@ -201,9 +204,32 @@ class StateOffload:
             buffer.data = opt.lp_grad_partitions_flat_pin_buffers
         else:
             buffer.data = buffer.data.to("cpu")
+        self._rebind_grad_views()
         opt.averaged_gradients = {}
-        setattr(opt, GRAD_VIEWS, {})
         opt.offloaded_states.add(LP_GRADS)
+
+    def _reload_lp_grads(self, non_blocking: bool):
+        opt = self.opt
+        buffer = opt.grad_partitions_flat_buffer
+        buffer.data = buffer.data.to(self.mode.acc.current_device_name(), non_blocking=non_blocking)
+        self._rebind_grad_views()
+        opt.averaged_gradients = {}
+        opt.offloaded_states.discard(LP_GRADS)
+
+    def _rebind_grad_views(self):
+        """Each parameter's view of the gradient buffer onto where the buffer is now, the same tensor
+        objects. DeepCompile hands these views to its reduction ops once, when it compiles; DeepSpeed's
+        own reload makes new ones, and compiled training would then reduce into the old buffer while
+        the optimizer reads the new one."""
+        opt = self.opt
+        buffer, views, offset = opt.grad_partitions_flat_buffer, getattr(opt, GRAD_VIEWS), 0
+        for param in itertools.chain.from_iterable(opt.fp16_groups):  # DeepSpeed's order of the buffer
+            numel = param.partition_numel()
+            if param.ds_id in views:
+                views[param.ds_id].data = buffer.narrow(0, offset, numel)
+            else:
+                views[param.ds_id] = buffer.narrow(0, offset, numel)
+            offset += numel
 
     # ------------------------------------------------------------------ the resident sub-groups
 

@@ -27,6 +27,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 import deepspeed_offload
+from deepspeed_offload.runtime.colocation import GRAD_VIEWS
 from deepspeed_offload.runtime.host_store import MASTER
 from harness import inject_checkpoint_faults
 
@@ -213,6 +214,7 @@ def colocation_cycle(engine, spec, step):
     handle = deepspeed_offload.get_handle(engine)
     pending = handle is not None and handle.checkpointer is not None and handle.checkpointer.pending()
     before = [] if handle is None else [i for i in handle.order if handle.table[i].on_device]
+    views = dict(getattr(engine.optimizer, GRAD_VIEWS))
     engine.offload_states(include=include, pin_memory=step % 2 == 0, non_blocking=step % 3 == 1)
     rec = {"checkpoint_pending": pending, "include": None if include is None else sorted(str(getattr(k, "value", k)) for k in include),
            "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
@@ -225,11 +227,21 @@ def colocation_cycle(engine, spec, step):
     del rollout
     engine.reload_states(non_blocking=step % 3 == 2)
     rec["after_reload"] = sorted(s.value for s in engine.optimizer.offloaded_states)
+    rec["grad_views_kept"] = grad_views_kept(engine.optimizer, views)
     if handle is not None:
         rec["reload_bytes"] = handle.colocation.reload_bytes
         rec["resident_in_store_after_reload"] = resident_in_store(handle)
         rec["back_on_device"] = [i for i in handle.order if handle.table[i].on_device]
     return rec
+
+
+def grad_views_kept(opt, before):
+    """Each parameter's view of the gradient buffer is the object it was before the cycle (DeepCompile
+    holds them) and lies in the buffer as it is now."""
+    views, buffer = getattr(opt, GRAD_VIEWS), opt.grad_partitions_flat_buffer
+    base = buffer.untyped_storage().data_ptr()
+    return views.keys() == before.keys() and all(
+        views[k] is before[k] and views[k].untyped_storage().data_ptr() == base for k in views)
 
 
 def resident_in_store(handle):

@@ -148,6 +148,8 @@ def check_colocation(spec, name, ours):
         # contiguous_grad_buffer counts only where a bucket held a buffer (DeepSpeed's rule)
         assert wanted - {"contiguous_grad_buffer"} <= set(c["offloaded"]) <= wanted, (name, c)
         assert c["after_reload"] == [] and c["host_resident"] and not c["on_device"], (name, c)
+        # the views of the gradient buffer are the same objects, in the buffer where it is now
+        assert c["grad_views_kept"], (name, c)
         expected = sum(n for per_key in handle["resident_bytes"].values() for key, n in per_key.items()
                        if ("hp_params" in wanted and key == "__master__")
                        or ("optim_states" in wanted and key != "__master__"))
@@ -364,6 +366,7 @@ def test_compile_mode_colocation(tmp_path):
         assert c["on_device"] == ([] if moves else c["before"]), c
         assert c["back_on_device"] == (sorted(kept) if moves else c["before"]), c
         assert c["host_resident"] == bool(moves) and c["after_reload"] == [], c
+        assert c["grad_views_kept"], c
     assert any(c["offload_bytes"] for c in ours["colocation"])
     assert all("reload_states() first" in ours["refusals"][k] for k in ("step", "backward", "load_state_dict"))
     assert ours["refusals"]["unchanged"]
