@@ -163,13 +163,7 @@ class StateOffload:
         trainable = opt._get_parameter_partitions()
         if not pin_memory and hasattr(opt, "lp_param_contiguous_pin_buffer"):
             del opt.lp_param_contiguous_pin_buffer  # DeepSpeed's reload would read it: an older copy
-        if pin_memory:
-            if not hasattr(opt, "lp_param_contiguous_pin_buffer"):
-                opt.lp_param_contiguous_pin_buffer = acc.pin_memory(torch.empty_like(opt.lp_param_buffer, device="cpu"))
-            host = opt.lp_param_contiguous_pin_buffer
-            host.copy_(opt.lp_param_buffer, non_blocking=non_blocking)
-        else:
-            host = opt.lp_param_buffer.to("cpu", non_blocking=non_blocking)
+        host = self._to_host("lp_param_contiguous_pin_buffer", opt.lp_param_buffer.data, pin_memory, non_blocking)
         device_buffer = opt.lp_param_buffer.data
         opt.lp_param_buffer.data = host
         for tensor, offset, numel in get_mapping_to_flat_buffer(trainable):
@@ -197,13 +191,7 @@ class StateOffload:
         ``pin_memory``, made once), each parameter's view of it with it."""
         opt = self.opt
         buffer = opt.grad_partitions_flat_buffer
-        if pin_memory:
-            if not hasattr(opt, "lp_grad_partitions_flat_pin_buffers"):
-                opt.lp_grad_partitions_flat_pin_buffers = self.mode.acc.pin_memory(torch.empty_like(buffer, device="cpu"))
-            opt.lp_grad_partitions_flat_pin_buffers.copy_(buffer, non_blocking=non_blocking)
-            buffer.data = opt.lp_grad_partitions_flat_pin_buffers
-        else:
-            buffer.data = buffer.data.to("cpu")
+        buffer.data = self._to_host("lp_grad_partitions_flat_pin_buffers", buffer.data, pin_memory, non_blocking)
         self._rebind_grad_views()
         opt.averaged_gradients = {}
         opt.offloaded_states.add(LP_GRADS)
@@ -215,6 +203,19 @@ class StateOffload:
         self._rebind_grad_views()
         opt.averaged_gradients = {}
         opt.offloaded_states.discard(LP_GRADS)
+
+    def _to_host(self, pin_attr: str, tensor, pin_memory: bool, non_blocking: bool):
+        """``tensor`` copied to the host: into the optimizer's pinned buffer named ``pin_attr``
+        (DeepSpeed's name for it; made at the first call, reused after) when ``pin_memory``, else
+        into a new pageable tensor."""
+        if not pin_memory:
+            return tensor.to("cpu", non_blocking=non_blocking)
+        host = getattr(self.opt, pin_attr, None)
+        if host is None:
+            host = self.mode.acc.pin_memory(torch.empty_like(tensor, device="cpu"))
+            setattr(self.opt, pin_attr, host)
+        host.copy_(tensor, non_blocking=non_blocking)
+        return host
 
     def _rebind_grad_views(self):
         """Each parameter's view of the gradient buffer onto where the buffer is now, the same tensor
