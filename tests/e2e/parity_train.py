@@ -214,12 +214,14 @@ def colocation_cycle(engine, spec, step):
     handle = deepspeed_offload.get_handle(engine)
     pending = handle is not None and handle.checkpointer is not None and handle.checkpointer.pending()
     before = [] if handle is None else [i for i in handle.order if handle.table[i].on_device]
+    kept = sorted(getattr(handle, "kept", ()))  # compile mode's sub-groups that stay on the device (this phase)
     views = dict(getattr(engine.optimizer, GRAD_VIEWS))
     engine.offload_states(include=include, pin_memory=step % 2 == 0, non_blocking=step % 3 == 1)
     rec = {"checkpoint_pending": pending, "include": None if include is None else sorted(str(getattr(k, "value", k)) for k in include),
            "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
     if handle is not None:
-        rec.update(offload_bytes=handle.colocation.offload_bytes, host_resident=handle.host_resident(), before=before,
+        rec.update(offload_bytes=handle.colocation.offload_bytes, host_resident=handle.host_resident(),
+                   before=before, kept=kept,
                    on_device=[i for i in handle.order if handle.table[i].on_device],
                    resident_in_store=resident_in_store(handle))
     rollout = torch.randn(1 << 16, device=get_accelerator().current_device_name())  # the rollout's memory
