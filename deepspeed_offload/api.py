@@ -125,7 +125,8 @@ def _check_host_memory_before_deepspeed(plan: Plan, model):
         return
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    check_host_plan(host_plan(params, world, budget_gb=plan.offload.memory_budget_gb, ds_config=plan.ds_config))
+    check_host_plan(host_plan(params, world, budget_gb=plan.offload.memory_budget_gb, ds_config=plan.ds_config,
+                              speculate_gb=plan.offload.speculate_memory_gb))
 
 
 def attach(engine, config=None):

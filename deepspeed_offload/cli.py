@@ -16,7 +16,7 @@ import time
 from .config import validate
 from .ds_config import load_ds_config
 from .errors import BLOCK, ConfigError
-from .estimate import HOST_BANDWIDTH_GBPS, estimate, host_plan
+from .estimate import HOST_BANDWIDTH_GBPS, estimate, host_plan, speculation_bytes
 from .host_memory import HostMemory, check_host_plan, format_bytes
 
 
@@ -55,7 +55,7 @@ def cmd_check(ns) -> int:
         host_line = ""
         if plan is not None and ns.params:
             host = host_plan(ns.params, ns.world_size or 1, ns.ranks_per_node, plan.offload.memory_budget_gb,
-                             plan.ds_config)
+                             plan.ds_config, speculate_gb=plan.offload.speculate_memory_gb)
             check_host_plan(host)
             host_line = (f", host memory {format_bytes(host.store_per_rank)} per rank, "
                          f"{format_bytes(host.needed)} for the node's {host.ranks} rank(s) of "
@@ -70,20 +70,22 @@ def cmd_check(ns) -> int:
     o = plan.offload
     origin = "from sub_group_mb" if plan.sub_group_size_set_by_us else "set by zero_optimization"
     budget = "derived from the device" if o.memory_budget_gb is None else f"{o.memory_budget_gb:g} GiB"
+    speculate = "derived from the host" if o.speculate_memory_gb is None else f"{o.speculate_memory_gb:g} GiB"
     print(f"{ns.config}: OK; mode {plan.mode}, sub_group_size {plan.sub_group_size} elements ({origin}), "
-          f"pin_memory {o.pin_memory}, overlap {o.overlap}, prefetch {o.prefetch}, resident budget {budget}"
-          f"{host_line}")
+          f"pin_memory {o.pin_memory}, overlap {o.overlap}, prefetch {o.prefetch}, resident budget {budget}, "
+          f"speculation {speculate}{host_line}")
     return 0
 
 
 def cmd_estimate(ns) -> int:
     """What offload would free and cost, from the parameter count and the link's bandwidth."""
     try:
-        sub_group_mb, budget_gb = 256, 0.0
+        sub_group_mb, budget_gb, speculate_gb = 256, 0.0, 0.0
         if ns.config:
             plan = validate(load_ds_config(ns.config))
             if plan is not None:
                 sub_group_mb, budget_gb = plan.offload.sub_group_mb, plan.offload.memory_budget_gb
+                speculate_gb = plan.offload.speculate_memory_gb
         bandwidth, measured = ns.bandwidth, False
         if bandwidth is None:
             from .bandwidth import measure_bandwidth
@@ -98,6 +100,7 @@ def cmd_estimate(ns) -> int:
     est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, budget_gb,
                    ns.largest_param)
     est["bandwidth_measured"] = measured
+    est["speculation_per_rank"] = spec = speculation_bytes(est["gpu_freed_per_rank"], speculate_gb)
     if ns.json:
         print(json.dumps(est))
     else:
@@ -109,13 +112,17 @@ def cmd_estimate(ns) -> int:
               f"(budget {budget})")
         print(f"GPU memory freed per rank between steps: {format_bytes(est['gpu_freed_per_rank'])}; during the step "
               f"the GPU holds two staging slots, {format_bytes(est['staging_during_step'])}")
-        print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(est['host_pinned_per_node'])}")
+        print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(est['host_pinned_per_node'])}"
+              + ("" if not spec else f", plus {format_bytes(spec * ranks_per_node)} for speculation (second "
+                 f"regions and 16-bit staging, speculate_memory_gb {speculate_gb:g})")
+              + (", plus what the host has spare for speculation (speculate_memory_gb null)"
+                 if speculate_gb is None else ""))
         shared = ("" if per_rank_bw == bandwidth else
                   f", the host's {ns.host_bandwidth:.1f} GB/s shared by {ranks_per_node} ranks")
         print(f"step copy time: {est['step_copy_s']:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link "
               f"{bandwidth:.1f} GB/s, {src}{shared})")
     try:
-        check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb))
+        check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb))
     except ConfigError as e:
         print(f"warning (this host): {e.reason}", file=sys.stderr)
     return 0

@@ -55,6 +55,10 @@ class OffloadConfig(BaseModel):
     # Device memory early loads may hold; null: derived from an iteration measured without them.
     overlap_memory_gb: Optional[float] = _gib_field()
     async_checkpoint: bool = False
+    # Stream mode: host memory per rank for second regions, so that sub-groups are updated in
+    # backward before the gradient norm is known (runtime/speculation.py); 0: off; null: derived
+    # from what the node has spare after the store.
+    speculate_memory_gb: Optional[float] = Field(0.0, ge=0, le=MAX_GB, allow_inf_nan=False)
 
     @property
     def sub_group_size(self) -> int:
@@ -176,6 +180,14 @@ def _cross_check(ds_config, offload: OffloadConfig, ds: DeepSpeedView) -> Plan:
 
     deepcompile = bool(ds.compile.deepcompile)  # as DeepSpeed reads it: "true" and 1 turn it on too
     mode = offload.mode or ("compile" if deepcompile else "stream")
+
+    if offload.speculate_memory_gb:  # null (derived) is off where speculation cannot run
+        if mode == "compile":
+            raise ConfigError(f"{BLOCK}.speculate_memory_gb", "speculation runs in stream mode only (compile "
+                              "mode's graphs place the loads): set it to 0 or use mode 'stream'")
+        if not offload.overlap:
+            raise ConfigError(f"{BLOCK}.speculate_memory_gb", "speculation updates sub-groups in backward, "
+                              f"where only overlap loads them: set {BLOCK}.overlap to true or this to 0")
 
     if mode == "compile":
         if not deepcompile:

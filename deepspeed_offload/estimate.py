@@ -9,6 +9,15 @@ from .host_memory import HostPlan, local_ranks
 
 # Adam's fp32 master weight plus its two moments: what one parameter costs in the host store.
 STATE_BYTES_PER_PARAM = 12
+# A speculating parameter's second region, plus the 16-bit cast of its update (bf16/fp16) staged on the host.
+SPECULATION_BYTES_PER_PARAM = STATE_BYTES_PER_PARAM + 2
+
+
+def speculation_bytes(offloaded: int, speculate_gb: Optional[float]) -> int:
+    """Host memory per rank that ``speculate_memory_gb`` adds to a store of ``offloaded`` bytes: the
+    second regions it allows (at most the store) and their 16-bit staging (null: what is spare, 0 here)."""
+    twins = min(offloaded, int((speculate_gb or 0) * 2**30))
+    return twins * SPECULATION_BYTES_PER_PARAM // STATE_BYTES_PER_PARAM
 
 
 def state_bytes_per_rank(params: int, world: int) -> int:
@@ -57,10 +66,12 @@ def deepspeed_pinned_per_rank(params: int, world: int, ds_config: Optional[Dict[
 
 
 def host_plan(params: int, world: int, ranks_per_node: Optional[int] = None, budget_gb: Optional[float] = None,
-              ds_config: Optional[Dict[str, Any]] = None) -> HostPlan:
+              ds_config: Optional[Dict[str, Any]] = None, speculate_gb: Optional[float] = 0.0) -> HostPlan:
     """What the ``ranks_per_node`` ranks of a node pin for ``params`` parameters over ``world`` ranks:
-    each rank's store (its state less what ``budget_gb`` keeps on the GPU), and DeepSpeed's own."""
+    each rank's store (its state less what ``budget_gb`` keeps on the GPU, plus what ``speculate_gb``
+    adds), and DeepSpeed's own."""
     ranks = ranks_per_node or local_ranks()
     store = max(0, state_bytes_per_rank(params, world) - int((budget_gb or 0) * 2**30))
-    return HostPlan(store_per_rank=store, ranks=ranks,
+    speculation = speculation_bytes(store, speculate_gb)
+    return HostPlan(store_per_rank=store + speculation, ranks=ranks, speculation_per_rank=speculation,
                     deepspeed_pinned=deepspeed_pinned_per_rank(params, world, ds_config) * ranks, budget_gb=budget_gb)

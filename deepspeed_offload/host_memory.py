@@ -152,6 +152,7 @@ class HostPlan:
     ranks: int = 1
     deepspeed_pinned: int = 0
     budget_gb: Optional[float] = None  # the memory_budget_gb in effect (None: derived at attach)
+    speculation_per_rank: int = 0  # of store_per_rank: what speculate_memory_gb adds
 
     @property
     def needed(self) -> int:
@@ -173,6 +174,9 @@ def check_host_plan(plan: HostPlan, memory: Optional[HostMemory] = None):
         return
     short = plan.needed - memory.usable
     ways = []
+    if plan.speculation_per_rank:
+        ways.append(f"lower {BLOCK}.speculate_memory_gb (it adds {format_bytes(plan.speculation_per_rank)} per rank) "
+                    "or set it to 0")
     if plan.store_per_rank > 0:
         keep = short / plan.ranks
         budget = math.ceil(((plan.budget_gb or 0) + keep / GiB) * 100) / 100  # rounded up to 0.01 GiB

@@ -89,6 +89,9 @@ def _fixed(name, settings):
         "stream_overlap": dict(offloads=OUR_STATE, baseline="resident", against_floor=True, traced=True,
                                config=_stream_block(settings, overlap=True,
                                                     overlap_memory_gb=settings.overlap_memory_gb)),
+        "stream_speculate": dict(offloads=OUR_STATE, baseline="resident", against_floor=True, traced=True,
+                                 config=_stream_block(settings, overlap=True, speculate_memory_gb=None,
+                                                      overlap_memory_gb=settings.overlap_memory_gb)),
         "offload_states": dict(offloads="optimizer states and fp32 masters (engine.offload_states)",
                                baseline="resident", reload_states=True),
         "colocate": dict(offloads=NOTHING, baseline="resident", colocate=True),
@@ -112,7 +115,7 @@ def _fixed(name, settings):
     return Mode(name=name, **dict(kw, config=_frozen(kw.get("config", {}))))
 
 
-FIXED = ["bandwidth", "resident", "stream", "stream_overlap", "stream_prefetch", "offload_states", "zero_offload",
+FIXED = ["bandwidth", "resident", "stream", "stream_overlap", "stream_speculate", "stream_prefetch", "offload_states", "zero_offload",
          "colocate", "colocate_stream", "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
 FAMILIES = ["compile_offload", "stream", "stream_overlap"]
 

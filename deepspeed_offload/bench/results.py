@@ -33,7 +33,9 @@ def handle_stats(handle, engine, between_GiB):
     slot_bytes = getattr(handle, "slot_bytes", 0)
     out = {"sub_groups": len(getattr(handle, "order", [])), "slot_GiB": slot_bytes / GiB,
            "last_step": handle.step_stats(), "counters": getattr(handle, "counters", None),
-           "host_store_bytes": getattr(store, "nbytes", None)}
+           "host_store_bytes": getattr(store, "nbytes", None),
+           "speculation": None if getattr(handle, "speculation", None) is None else
+           dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members))}
     try:
         grad_bytes = max(int(sum(p.numel() for p in g)) for g in engine.optimizer.fp16_partitioned_groups) * 4
         out["peak_bound_GiB"] = between_GiB + (2 * slot_bytes + grad_bytes) / GiB

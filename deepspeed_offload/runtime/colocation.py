@@ -88,6 +88,7 @@ class StateOffload:
             raise StatesOffloaded("deepspeed-offload: engine.offload_states() called inside a step")
         wanted = [k for k in (list(OffloadStateTypeEnum) if include is None else list(include))
                   if k not in opt.offloaded_states]
+        mode._discard_speculation("offload_states")  # updated from the state that moves now
         opt.empty_partition_cache()  # as DeepSpeed: the gathered parameters are released first
         ours = [k for k in OURS if k in wanted]
         moved = 0

@@ -8,11 +8,17 @@ between host and GPU in one copy per dtype, and a staging slot is laid out like 
 
 The store only holds memory and says where each tensor's slice is; which DeepSpeed tensor object
 points at it (``.data`` rebinding) is the streamed step's business.
+
+Sub-groups that speculate (``runtime/speculation.py``) have a second region per dtype, ``twins``:
+an update computed before the gradient norm is known is written into the side that is not current,
+and committing it is ``flip`` (that side becomes current: nothing is copied); a rollback leaves
+the current side as it was. ``region``/``view`` always name the current side unless asked for the
+``other`` one, so every reader (loads, checkpoints, ``state_dict``) sees the committed state.
 """
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -37,32 +43,46 @@ class Slice:
 class HostStore:
 
     def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool, budget_gb=None,
-                 warn_pageable: bool = True, what: str = f"{BLOCK}.pin_memory"):
+                 warn_pageable: bool = True, what: str = f"{BLOCK}.pin_memory", twins: Iterable[int] = ()):
         """``layout[sub_group] = [(key, dtype, numel), ...]`` for every sub-group it holds. ``what``:
-        the setting a pinning failure names (the block's ``pin_memory``, or ``offload_states``'s)."""
+        the setting a pinning failure names (the block's ``pin_memory``, or ``offload_states``'s).
+        ``twins``: the sub-groups that get a second region (speculation)."""
         self.slices: Dict[int, Dict[str, Slice]] = {}
-        self.regions: Dict[int, Dict[torch.dtype, Tuple[int, int]]] = {}  # sub_group -> dtype -> (start, numel)
-        totals: Dict[torch.dtype, int] = {}
+        # side -> sub_group -> dtype -> (start, numel); side 1 exists for the twins only
+        self.sides: Tuple[Dict[int, Dict[torch.dtype, Tuple[int, int]]], ...] = ({}, {})
+        self.twins = frozenset(int(i) for i in twins if i in layout)
+        self.current: Dict[int, int] = {sg: 0 for sg in layout}  # which side holds the committed state
+        numel_of: Dict[int, Dict[torch.dtype, int]] = {}  # sub_group -> dtype -> its region's length
         for sg in sorted(layout):
-            self.slices[sg], self.regions[sg] = {}, {}
+            self.slices[sg], numel_of[sg] = {}, {}
             entries = sorted(layout[sg], key=lambda e: (e[0] != MASTER, e[0]))
             for key, dtype, numel in entries:
-                start, length = self.regions[sg].get(dtype, (totals.get(dtype, 0), 0))
+                length = numel_of[sg].get(dtype, 0)
                 self.slices[sg][key] = Slice(key, dtype, length, numel)
-                self.regions[sg][dtype] = (start, length + numel)
-                totals[dtype] = start + length + numel
+                numel_of[sg][dtype] = length + numel
+        totals: Dict[torch.dtype, int] = {}
+        for side, members in ((0, sorted(layout)), (1, sorted(self.twins))):
+            for sg in members:  # each region placed after the last one of its dtype
+                self.sides[side][sg] = {}
+                for dtype, numel in numel_of[sg].items():
+                    self.sides[side][sg][dtype] = (totals.get(dtype, 0), numel)
+                    totals[dtype] = totals.get(dtype, 0) + numel
 
         size = {dt: torch.empty(0, dtype=dt).element_size() for dt in totals}
         self.nbytes_by_dtype = {dt: n * size[dt] for dt, n in totals.items()}
         self.nbytes = sum(self.nbytes_by_dtype.values())
+        self.twin_nbytes = sum(n * size[dt] for sg in self.twins for dt, n in self.region_numel(sg).items())
         # Every rank on this node pins a store of about this size: all of them must fit, checked
         # with the exact bytes before the first byte is pinned.
         check_host_plan(HostPlan(self.nbytes, local_ranks(), budget_gb=budget_gb))
         acc = get_accelerator()
         bounds = {dt: [] for dt in totals}
-        for sg in sorted(self.regions):
-            for dt, (start, numel) in self.regions[sg].items():
-                bounds[dt].append((start * size[dt], (start + numel) * size[dt]))
+        for regions in self.sides:
+            for sg in sorted(regions):
+                for dt, (start, numel) in regions[sg].items():
+                    bounds[dt].append((start * size[dt], (start + numel) * size[dt]))
+        for dt in bounds:
+            bounds[dt].sort()
         node = gpu_numa_node(acc.current_device()) if acc.device_name() == "cuda" else None
         try:
             self.buffers, self.pinning = pinned.allocate(
@@ -75,13 +95,28 @@ class HostStore:
             logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
                            "fraction of the link speed, and the step will be slower")
 
-    def region(self, sub_group: int, dtype: torch.dtype) -> torch.Tensor:
-        start, numel = self.regions[sub_group][dtype]
+    @property
+    def regions(self) -> Dict[int, Dict[torch.dtype, Tuple[int, int]]]:
+        """Side 0's regions (every sub-group's layout within its region is the same on both sides)."""
+        return self.sides[0]
+
+    def region(self, sub_group: int, dtype: torch.dtype, other: bool = False) -> torch.Tensor:
+        """The sub-group's region of ``dtype`` on its current side (``other``: on its second side)."""
+        side = self.current[sub_group] ^ int(other)
+        if side and sub_group not in self.twins:
+            raise KeyError(f"deepspeed-offload: sub-group {sub_group} has no second region")
+        start, numel = self.sides[side][sub_group][dtype]
         return self.buffers[dtype].narrow(0, start, numel)
 
     def region_numel(self, sub_group: int) -> Dict[torch.dtype, int]:
         return {dt: n for dt, (_, n) in self.regions[sub_group].items()}
 
-    def view(self, sub_group: int, key: str) -> torch.Tensor:
+    def view(self, sub_group: int, key: str, other: bool = False) -> torch.Tensor:
         s = self.slices[sub_group][key]
-        return self.region(sub_group, s.dtype).narrow(0, s.offset, s.numel)
+        return self.region(sub_group, s.dtype, other).narrow(0, s.offset, s.numel)
+
+    def flip(self, sub_group: int):
+        """The second side becomes the current one (a speculated update is committed)."""
+        if sub_group not in self.twins:
+            raise KeyError(f"deepspeed-offload: sub-group {sub_group} has no second region")
+        self.current[sub_group] ^= 1

@@ -118,8 +118,8 @@ class ResidencyTable:
         s = self.store.slices[i][key]
         return r.buffers[s.dtype].narrow(0, s.offset, s.numel)
 
-    def _regions(self, i: int):
-        return {dt: self.store.region(i, dt) for dt in self.store.region_numel(i)}
+    def _regions(self, i: int, other: bool = False):
+        return {dt: self.store.region(i, dt, other) for dt in self.store.region_numel(i)}
 
     # ------------------------------------------------------------------ transitions
 
@@ -154,13 +154,14 @@ class ResidencyTable:
         r.host_stale = True
         r.updated = self.copies.mark()
 
-    def write_back(self, i: int) -> Tuple[int, object]:
+    def write_back(self, i: int, other: bool = False) -> Tuple[int, object]:
         """D2H of ``i`` once its update is done; its device buffers are let go (a slot becomes
         loadable again after this copy, buffers of its own return to the allocator after it).
+        ``other``: into its second host region (a speculated update; the current one is untouched).
         Returns (bytes, span)."""
         r = self.of[i]
         r.move(Phase.WRITING_BACK)
-        r.written, span = self.copies.d2h(self._regions(i), r.buffers, waits=(r.updated, ))
+        r.written, span = self.copies.d2h(self._regions(i, other), r.buffers, waits=(r.updated, ))
         r.host_stale = False  # the host store is the newest copy once this lands
         if r.slot is not None:
             self.slot_free[r.slot] = r.written  # the slot's next load waits for this copy

@@ -17,6 +17,9 @@ class StepStats:
         self.sub_groups = 0
         self.loaded_early = 0  # sub-groups loaded before the step (in backward)
         self.loaded_in_step = 0
+        self.speculated = 0  # sub-groups updated in backward (speculation.py) ...
+        self.committed = 0  # ... whose update the step took
+        self.discarded = 0  # ... and dropped (clipping, overflow)
         self._spans: Dict[str, List] = {kind: [] for kind in self.KINDS}
 
     def span(self, kind, span):
@@ -25,7 +28,8 @@ class StepStats:
 
     def resolve(self) -> Dict[str, float]:
         out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups,
-               "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step}
+               "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step,
+               "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded}
         for kind, spans in self._spans.items():
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
         return out

@@ -56,6 +56,7 @@ from .layout import compute_layout
 from .load_timing import LoadTiming
 from .patches import PatchRegistry
 from .residency import Phase, ResidencyTable
+from .speculation import Speculation, plan_members
 from .state_tensors import StateTensors
 from .step_stats import StepStats
 
@@ -88,13 +89,15 @@ class StreamMode:
         self.order: List[int] = self.layout.order
         self.resident: List[int] = self.layout.resident
         self.slot_bytes = self.layout.slot_bytes
-        self.store = HostStore(self.layout.entries, cfg.pin_memory, budget_gb=cfg.memory_budget_gb)
+        members = self._speculation_members(early_in_backward)
+        self.store = HostStore(self.layout.entries, cfg.pin_memory, budget_gb=cfg.memory_budget_gb, twins=members)
         self.table = ResidencyTable(self.store, self.copies, self.layout.slot_numel)
         self.timing = LoadTiming(self.acc, self.copies.synchronous, self.slot_bytes,
                                  early_in_backward=cfg.overlap and early_in_backward, prefetch=cfg.prefetch,
                                  early_cap=None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30))
         self.defer_write_back = defer_write_back
-        self._next_early = 0  # position in self.order of the next sub-group to load early
+        self._next_early = 0  # position in self._early_order of the next sub-group to load early
+        self._early_order: List[int] = self.order  # members in the order they speculate, then step order
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
         self._update_start = None
@@ -105,6 +108,7 @@ class StreamMode:
         self.last_stats: Optional[StepStats] = None
 
         self.tensors = StateTensors(self.opt, self.store, self.order)
+        self.speculation = Speculation(self, members) if members else None
         self.colocation = StateOffload(self)
         # Move what exists now (masters; states too if the optimizer already stepped or loaded).
         self.tensors.all_to_host()
@@ -121,10 +125,33 @@ class StreamMode:
                  f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, host store "
                  f"{self.store.pinning.describe()}, 2 staging slots of {format_bytes(self.slot_bytes)}, "
                  f"overlap={'on' if self.overlap else 'off'}; attached in {self.attach_s:.1f} s", ranks=[0])
+        if self.speculation is not None:
+            self.speculation.log_attach()
 
     @property
     def overlap(self) -> bool:
         return self.timing.early_in_backward
+
+    def _speculation_members(self, early_in_backward: bool) -> List[int]:
+        """The sub-groups that speculate (``speculation.py``), within ``speculate_memory_gb`` per rank;
+        null: what the node has spare after every rank's store, shared among its ranks. None where
+        nothing loads in backward or the 16-bit partition is the master itself (fp32)."""
+        gb = self.cfg.speculate_memory_gb
+        if gb == 0 or not (self.cfg.overlap and early_in_backward) or not self.order:
+            return []
+        if any(self.opt.fp16_partitioned_groups_flat[i].dtype == self.opt.fp32_partitioned_groups_flat[i].dtype
+               for i in self.order):
+            log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
+            return []
+        if gb is None:  # the second regions and their 16-bit staging within what is spare
+            from ..estimate import SPECULATION_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM
+            from ..host_memory import HostMemory, local_ranks
+            store = sum(self.layout.nbytes[i] for i in self.order)
+            spare = max(0, HostMemory.read().usable // local_ranks() - store)
+            budget = spare * STATE_BYTES_PER_PARAM // SPECULATION_BYTES_PER_PARAM
+        else:
+            budget = int(gb * 2**30)
+        return plan_members(self.order, self.layout.nbytes, budget)
 
     def _resident_budget_bytes(self) -> int:
         if self.cfg.memory_budget_gb is not None:
@@ -149,6 +176,13 @@ class StreamMode:
         patch(engine, "_backward_prologue", lambda orig: self._wrap_backward_prologue(orig))
         if self.overlap:
             patch(opt, GRADIENT_HOOK, lambda orig: self._wrap_gradient_hook(orig))
+        if self.speculation is not None:
+            spec = self.speculation
+            patch(opt, "partition_grads", lambda orig: self._wrap_partition_grads(orig))
+            patch(opt, "independent_gradient_partition_epilogue", lambda orig: self._wrap_epilogue(orig))
+            for name in ("unscale_and_clip_grads", "_optimizer_step"):
+                patch(opt, name, lambda orig: spec.skip_committed(orig))
+            patch(opt, "_reassign_or_swap_out_partitioned_parameters", lambda orig: spec.wrap_reassign(orig))
         # engine.offload_states()/reload_states() check their arguments and call these two.
         patch(opt, "offload_states", lambda orig: self.colocation.offload_states)
         patch(opt, "reload_states", lambda orig: lambda *a, **kw: self.colocation.reload_states(orig, *a, **kw))
@@ -170,6 +204,7 @@ class StreamMode:
         own again). A pending asynchronous checkpoint is waited for first. Call it on every rank;
         not between ``offload_states()`` and ``reload_states()``."""
         self.colocation.refuse_if_offloaded("detach()")
+        self._discard_speculation("detach")
         if self.checkpointer is not None:
             self.checkpointer.close()  # waits for the last save (collective), removes its hooks
             self.checkpointer = None
@@ -186,6 +221,10 @@ class StreamMode:
 
         def prepare(i, timer_names):
             if i in self.table.of:
+                if not self._in_step:
+                    self._begin_step()
+                if self.speculation is not None and self.speculation.commit(i):
+                    return None  # updated in backward: DeepSpeed's calls for it are skipped
                 self._bring_in(i)
             return orig(i, timer_names)
 
@@ -196,7 +235,10 @@ class StreamMode:
         def release(i, timer_names):
             orig(i, timer_names)
             if i in self.table.of:
-                self._updated(i)
+                if self.speculation is None or not self.speculation.took(i):
+                    self._updated(i)  # (a committed sub-group was written back in backward)
+                if i == self.order[-1]:
+                    self._end_step()
 
         return release
 
@@ -206,7 +248,12 @@ class StreamMode:
             # Both engine.backward(loss) and a plain loss.backward() come through here, once.
             self.colocation.refuse_if_offloaded("backward()")
             self._next_early = 0
-            if self.timing.backward_begins(self.engine.is_gradient_accumulation_boundary()) and not self._in_step:
+            boundary = self.engine.is_gradient_accumulation_boundary()
+            if self.speculation is not None and not self._in_step:
+                self.speculation.backward_begins(boundary)
+                members = self.speculation.load_order
+                self._early_order = members + [i for i in self.order if i not in self.speculation.members]
+            if self.timing.backward_begins(boundary) and not self._in_step:
                 self._prefetch_into_slots()
             return orig(*args, **kwargs)
 
@@ -217,11 +264,36 @@ class StreamMode:
         def gradient_ready(param):
             result = orig(param)
             allowance = self.timing.gradient_ready()
-            if allowance is not None and self._next_early < len(self.order) and not self._in_step:
+            if allowance is not None and self._next_early < len(self._early_order) and not self._in_step:
                 self._load_early(allowance)
+            if self.speculation is not None and not self._in_step:
+                self.speculation.run()
             return result
 
         return gradient_ready
+
+    def _wrap_partition_grads(self, orig):
+
+        def partition_grads(params_to_release, grad_partitions):
+            params = list(params_to_release)  # DeepSpeed clears its list after this call
+            result = orig(params_to_release, grad_partitions)
+            self.speculation.partitioned(params)
+            return result
+
+        return partition_grads
+
+    def _wrap_epilogue(self, orig):
+
+        def epilogue(*args, **kwargs):
+            result = orig(*args, **kwargs)  # the last buckets' gradients are final now
+            if not self._in_step:
+                allowance = self.timing.allowance()
+                if allowance is not None:
+                    self._load_early(allowance)
+                self.speculation.run()
+            return result
+
+        return epilogue
 
     def _wrap_step(self, orig):
 
@@ -247,6 +319,7 @@ class StreamMode:
                 self.synchronize_for_checkpoint()
                 if writes:
                     self.colocation.refuse_if_offloaded(fn.__name__ + "()")
+                    self._discard_speculation("state written")  # computed from the state this replaces
                     self._guard()
                     self.table.release_loaded()  # loaded early: the old values
             result = fn(*args, **kwargs)
@@ -261,8 +334,8 @@ class StreamMode:
     def _load_early(self, allowance: float):
         """Load the next offloaded sub-groups, in step order, into buffers of their own while the
         bytes held that way stay within ``allowance`` (``LoadTiming.gradient_ready``)."""
-        while self._next_early < len(self.order):
-            i = self.order[self._next_early]
+        while self._next_early < len(self._early_order):
+            i = self._early_order[self._next_early]
             if not self.table[i].on_device:
                 if self.table.early_bytes + self.layout.nbytes[i] > allowance:
                     return  # asked again at the next gradient hook, when backward has freed more
@@ -290,8 +363,11 @@ class StreamMode:
     # ------------------------------------------------------------------ the streamed step
 
     def _stream_order(self) -> List[int]:
-        """The sub-groups the step streams through the slots: all but those in buffers of their own."""
-        return [i for i in self.order if not (self.table[i].on_device and self.table[i].slot is None)]
+        """The sub-groups the step streams through the slots: all but those in buffers of their own
+        and those whose update from backward it commits."""
+        committing = self.speculation.committing if self.speculation is not None else ()
+        return [i for i in self.order
+                if not (self.table[i].on_device and self.table[i].slot is None) and i not in committing]
 
     def _begin_step(self):
         # (A sub-group still UPDATED in buffers of its own, compile mode's kept ones, or any whose
@@ -300,6 +376,8 @@ class StreamMode:
         self.timing.step_begins()
         if self.stats is None:
             self.stats = StepStats(self.copies)
+        if self.speculation is not None:
+            self.speculation.decide()  # DeepSpeed has the norm now: commit the updates from backward, or not
         for i in self.timing.load_at_step_start(lambda i: self.table[i].on_device):
             self._load(i, slot=None, early=False)
         self._streamed = self._stream_order()
@@ -345,8 +423,6 @@ class StreamMode:
         self.stats.sub_groups += 1
         if not (self.defer_write_back and self.table[i].slot is None):
             self._write_back(i, self.stats)
-        if i == self.order[-1]:
-            self._end_step()
 
     def _write_back(self, i, stats: Optional[StepStats]):
         nbytes, span = self.table.write_back(i)
@@ -357,6 +433,8 @@ class StreamMode:
         return nbytes
 
     def _end_step(self):
+        if self.speculation is not None:
+            self.speculation.step_ends()
         self.table.free_slots()  # back to the allocator; record_stream holds the blocks until the copies end
         if not self.defer_write_back:
             self.table.drain()  # the step returns with every write-back landed: nothing held after it
@@ -372,6 +450,7 @@ class StreamMode:
         backward loaded: give those buffers back (the host copy is still the current one) and drop
         the stats of what it loaded, so they do not count in the next step."""
         self.timing.step_skipped()
+        self._discard_speculation("overflow")
         if self.stats is not None or self.table.slots is not None:
             self.released_unused += len(self.table.release_loaded())
             self.table.free_slots()
@@ -381,6 +460,7 @@ class StreamMode:
         """A step that raised: point every tensor back at the host store and drop the slots, so the
         next step (or a checkpoint) starts from a consistent place."""
         self.timing.step_skipped()
+        self._discard_speculation("step raised")
         if not self._in_step:
             return
         for i in self.table.in_phase(Phase.ON_DEVICE):
@@ -413,6 +493,10 @@ class StreamMode:
         self.table.drain()
 
     drain = synchronize_for_checkpoint
+
+    def _discard_speculation(self, why: str):
+        if self.speculation is not None:
+            self.speculation.discard_all(why)
 
     def _guard(self):
         """Before host state is overwritten: let an in-flight checkpoint write finish reading it."""

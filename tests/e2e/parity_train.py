@@ -37,7 +37,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class Net(torch.nn.Module):
     """Layers of different sizes, so sub-groups split unevenly; optional frozen and late layers."""
 
-    def __init__(self, hidden, frozen, late):
+    def __init__(self, hidden, frozen, late, tied=False):
         super().__init__()
         self.inp = torch.nn.Linear(hidden, 2 * hidden)
         self.mid = torch.nn.Linear(2 * hidden, hidden)
@@ -46,6 +46,7 @@ class Net(torch.nn.Module):
         if frozen:
             self.frozen.requires_grad_(False)
         self.late = torch.nn.Linear(hidden, hidden) if late else None
+        self.tied = torch.nn.Linear(hidden, hidden) if tied else None  # one weight used twice
 
     def forward(self, x, use_late):
         h = torch.nn.functional.gelu(self.inp(x))
@@ -54,6 +55,8 @@ class Net(torch.nn.Module):
             h = h + self.frozen(h)
         if self.late is not None and use_late:
             h = h + self.late(h)
+        if self.tied is not None:
+            h = h + self.tied(torch.tanh(self.tied(h)))
         return self.out(h)
 
 
@@ -351,7 +354,7 @@ def train_with(spec):
         deepspeed.init_distributed()
     # DeepCompile expects the model partitioned as it is built, the way large models are
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=spec.get("zero_init", False)):
-        model = Net(hidden, spec.get("frozen", False), spec.get("late", False))
+        model = Net(hidden, spec.get("frozen", False), spec.get("late", False), spec.get("tied", False))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if spec.get("two_groups"):
         groups = [{"params": [p for n, p in trainable if n.startswith("inp")]},
@@ -370,6 +373,8 @@ def train_with(spec):
         handle = deepspeed_offload.get_handle(engine)
         handle.timing.early_cap = handle.layout.nbytes[handle.order[0]]
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
+    if spec.get("force_commit"):  # the negative control: updates from backward committed without the norm check
+        deepspeed_offload.get_handle(engine).speculation.force_commit = True
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]
@@ -407,6 +412,8 @@ def train_with(spec):
                 compile_ops.backward_end(x)
             if step == spec.get("read_before_step_at") and micro == gas - 1:
                 engine.optimizer.state_dict()  # a reader of host state between backward and the step
+            if spec.get("clip_by_step") and micro == gas - 1:  # clipping that fires on some steps only
+                engine.optimizer.clip_grad = spec["clip_by_step"][step % len(spec["clip_by_step"])]
             if step == spec.get("abort_at") and micro == gas - 1:
                 result_extra["abort"] = abort_step(engine, spec.get("abort_fail_at"))
                 continue
@@ -451,6 +458,9 @@ def train_with(spec):
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),
                             "kept": sorted(getattr(handle, "kept", ())),
+                            "speculation": None if getattr(handle, "speculation", None) is None else
+                            dict(handle.speculation.counters.as_dict(), members=sorted(handle.speculation.members),
+                                 current=[handle.store.current[i] for i in handle.order]),
                             "resident_bytes": {i: {k: n * torch.empty(0, dtype=dt).element_size() for k, dt, n in e}
                                                for i, e in handle.layout.resident_entries.items()},
                             "deferred_copies": getattr(handle.copies, "deferred", None),

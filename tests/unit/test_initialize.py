@@ -316,3 +316,46 @@ def test_install_guards_the_frameworks_where_they_delete_checkpoints(installed):
     deepspeed_offload.uninstall()
     assert current() == before
     assert "remove_checkpoint" not in vars(pl_ds.DeepSpeedStrategy)  # the inherited method shows through again
+
+
+def test_host_store_twins_flip_without_copying():
+    """A speculating sub-group has a second region per dtype; ``other`` names it, ``flip`` makes it
+    current (nothing is copied), and every other sub-group has one region only."""
+    layout = {0: [(MASTER, torch.float32, 3), ("exp_avg", torch.float32, 3)],
+              1: [(MASTER, torch.float32, 4), ("exp_avg", torch.float32, 4)]}
+    store = HostStore(layout, pin_memory=False, twins=[1])
+    assert store.twins == {1} and store.twin_nbytes == 8 * 4 and store.nbytes == (6 + 8 + 8) * 4
+    first, second = store.view(1, "exp_avg"), store.view(1, "exp_avg", other=True)
+    assert first.data_ptr() != second.data_ptr()
+    spans = sorted((store.region(i, torch.float32, o).data_ptr(), store.region(i, torch.float32, o).numel())
+                   for i, o in ((0, False), (1, False), (1, True)))
+    assert all(a + 4 * n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # disjoint regions
+    first.fill_(1)
+    second.fill_(2)
+    store.flip(1)
+    assert store.view(1, "exp_avg").eq(2).all() and store.view(1, "exp_avg", other=True).eq(1).all()
+    assert store.view(1, "exp_avg").data_ptr() == second.data_ptr()
+    store.flip(1)
+    assert store.view(1, "exp_avg").data_ptr() == first.data_ptr()
+    with pytest.raises(KeyError):
+        store.flip(0)
+    with pytest.raises(KeyError):
+        store.view(0, MASTER, other=True)
+
+
+def test_speculation_members_and_host_plan():
+    """Members: from the last sub-group down (the first gradients to be final), within the budget;
+    the host plan adds their second regions and 16-bit staging (14 bytes for 12 of state)."""
+    from deepspeed_offload.estimate import host_plan, state_bytes_per_rank
+    from deepspeed_offload.runtime.speculation import plan_members
+    nbytes = {0: 100, 1: 100, 2: 50, 3: 50}
+    assert plan_members([0, 1, 2, 3], nbytes, 120) == [3, 2]
+    assert plan_members([0, 1, 2, 3], nbytes, 49) == []
+    assert plan_members([0, 1, 2, 3], nbytes, 10**6) == [3, 2, 1, 0]
+    params, gib = 10**9, 2**30
+    store = state_bytes_per_rank(params, 1)
+    assert host_plan(params, 1, 1).store_per_rank == store
+    plan = host_plan(params, 1, 1, speculate_gb=6)
+    assert plan.speculation_per_rank == 6 * gib * 14 // 12 and plan.store_per_rank == store + 6 * gib * 14 // 12
+    assert host_plan(params, 1, 1, speculate_gb=10**4).speculation_per_rank == store * 14 // 12  # at most the store
+    assert host_plan(params, 1, 1, speculate_gb=None).speculation_per_rank == 0  # null: what is spare, at attach

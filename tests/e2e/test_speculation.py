@@ -1,0 +1,105 @@
+"""Speculation (``runtime/speculation.py``) is bit-for-bit plain ZeRO-3: sub-groups updated in
+backward before the gradient norm is known, committed when the norm allows, discarded when clipping
+fires, the loss scale moves or a step overflows. 2 gloo ranks (the norm is all-reduced), many
+sub-groups (one parameter each), two param groups, a frozen layer, a layer unused in the first steps,
+a weight used twice; torch AdamW. Each case trains plain ZeRO-3 and the offload variants in one
+launch, from the same seed, and compares every loss, fp32 master and optimizer state with
+``torch.equal``; the counters show that the path under test really ran (commits, discards).
+
+A negative control commits without the norm check while clipping fires on some steps: parity must
+break. The ``deferred`` variants run every copy only when something waits for it
+(``deferred_copies.py``), as late as a GPU's copy streams may."""
+
+import pytest
+
+from harness import assert_bitwise_equal, gpus, launch, two_ranks_unavailable
+
+pytestmark = pytest.mark.e2e
+needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
+
+OFFLOAD = {"enabled": True, "mode": "stream", "memory_budget_gb": 0, "speculate_memory_gb": 1}
+BASE = dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True, tied=True, steps=6)
+HUGE, TINY = 1e9, 1e-9  # gradient_clipping that never fires / always fires
+
+CASES = {
+    # commits from the second step on (the first creates Adam's state)
+    "never_clips": dict(clip=HUGE),
+    "no_clipping": dict(clip=None, extra_config={"gradient_clipping": 0.0}),  # (DeepSpeed's default is 1.0)
+    "always_clips": dict(clip=TINY),
+    "clips_on_odd_steps": dict(clip=HUGE, clip_by_step=[HUGE, TINY]),
+    "gas2": dict(clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], gas=2),
+    # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
+    "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7),
+}
+
+
+def variants(case):
+    spec = CASES[case]
+    out = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=OFFLOAD)),
+           ("deferred", dict(offload=OFFLOAD, copies="deferred"))]
+    if "clip_by_step" in spec:
+        out.append(("control", dict(offload=OFFLOAD, force_commit=True)))
+    return out
+
+
+@needs_two_ranks
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculation_parity(tmp_path, case):
+    spec = dict(BASE, **CASES[case])
+    names = variants(case)
+    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, case, timeout=600)
+    runs = dict(zip([n for n, _ in names], out["variants"]))
+    plain = runs["plain"]
+    steps = spec["steps"]
+    for name in ("speculate", "deferred"):
+        ours = runs[name]
+        assert_bitwise_equal(plain, ours)
+        c = ours["handle"]["speculation"]
+        assert c is not None and len(c["members"]) == len(ours["handle"]["order"]), c
+        per_step = ours["step_stats"]
+        assert c["speculated"] == c["committed"] + c["discarded"], c  # every update ends one way or the other
+        assert sum(s["committed"] for s in per_step if s) <= c["committed"], (c, per_step)
+        if case in ("never_clips", "no_clipping"):
+            # every sub-group of every step but the first (Adam has no state to update yet) committed,
+            # but the unused late layer's before step 2: its gradient is never final
+            assert c["discarded"] == 0 and c["commit_steps"] == steps - 1 and c["rollback_steps"] == 0, c
+            assert all(s["committed"] > 0 for s in per_step[1:]), per_step
+            assert all(s["committed"] == len(c["members"]) for s in per_step[3:]), per_step
+            assert all(s["sub_groups"] == 0 for s in per_step[3:]), per_step  # the step updated nothing itself
+            assert any(side for side in c["current"]), c  # committed updates live in their second region
+        elif case == "always_clips":
+            assert c["committed"] == 0 and c["discarded"] > 0 and c["rollback_steps"] == steps - 1, c
+            assert all(side == 0 for side in c["current"]), c
+        elif case == "fp16_scale_moves":
+            assert c["committed"] > 0 and c["discarded"] > 0, c  # scale changes and the overflow roll back
+        else:
+            assert c["committed"] > 0 and c["discarded"] > 0 and c["commit_steps"] > 0 and c["rollback_steps"] > 0, c
+    if "deferred" in runs:
+        assert runs["deferred"]["handle"]["deferred_copies"] > 0  # copies really waited in their queues
+    if "control" in runs:
+        control = runs["control"]
+        assert control["handle"]["speculation"]["committed"] > 0
+        with pytest.raises(AssertionError):  # an update clipping should have scaled, committed as it was
+            assert_bitwise_equal(plain, control)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["fused_adam", "torch_adamw"])
+def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
+    """On a GPU: the updates run on the compute stream in backward, after DeepSpeed's reduction stream
+    made the gradient final, and write back on the copy stream. Early loads begin at the third step
+    (the second is measured without them), so 8 steps, clipping on every third."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    spec = dict(BASE, clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], steps=8, optimizer=optimizer, hidden=256)
+    offload = dict(OFFLOAD, overlap_memory_gb=1)  # a fixed cap: early loads (and updates) from the first step
+    names = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=offload)),
+             ("control", dict(offload=offload, force_commit=True))]
+    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, optimizer, nprocs=1, timeout=600)
+    plain, ours, control = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    c = ours["handle"]["speculation"]
+    assert c["committed"] > 0 and c["discarded"] > 0 and c["reasons"].get("clipped"), c
+    assert c["speculated"] == c["committed"] + c["discarded"], c
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(plain, control)
