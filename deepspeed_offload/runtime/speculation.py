@@ -36,7 +36,7 @@ import torch
 from deepspeed.utils import log_dist
 
 from ..host_memory import format_bytes
-from .host_store import HostStore
+from .host_store import MASTER, HostStore
 
 LP = "__lp__"  # the 16-bit cast of an updated master, in the staging store
 
@@ -97,7 +97,7 @@ class Speculation:
         self.counters = Counters()
         self.force_commit = False  # tests only: commit without the norm check (the negative control)
         self._boundary = False
-        self._seen: Dict[int, int] = {}  # this boundary backward: sub-group -> its parameters partitioned
+        self._seen: Dict[int, set] = {}  # this boundary backward: sub-group -> ds_ids of its parameters partitioned
         self._final: List[int] = []  # final, not yet updated, in the order they became final
         self._final_order: List[int] = []
         self._final_event: Dict[int, object] = {}
@@ -128,8 +128,11 @@ class Speculation:
             i = self.group_of.get(p.ds_id)
             if i is None or not p.requires_grad:
                 continue
-            self._seen[i] = self._seen.get(i, 0) + 1
-            if self._seen[i] == self.needed[i]:
+            seen = self._seen.setdefault(i, set())
+            if p.ds_id in seen:
+                continue
+            seen.add(p.ds_id)
+            if len(seen) == self.needed[i]:
                 self._final.append(i)
                 self._final_order.append(i)
                 self._final_event[i] = self.mode.copies.mark()
@@ -148,7 +151,7 @@ class Speculation:
         mode, opt, table, store = self.mode, self.opt, self.mode.table, self.mode.store
         master = opt.fp32_partitioned_groups_flat[i]
         state = self.base.state.get(master)
-        if not state or any(key not in state for key in store.slices[i] if key != "__master__"):
+        if not state or any(key not in state for key in store.slices[i] if key != MASTER):
             return  # the optimizer creates its state at its first step: nothing to speculate on yet
         if not self._guarded:
             mode._guard()  # an async checkpoint may still read the region this writes

@@ -27,6 +27,11 @@ Write-backs are not carried into the next forward: its activations need that mem
 PCIe drains the state (docs/benchmarks.md). When each sub-group loads is ``LoadTiming``'s decision
 (``load_timing.py``): early loads begin once it has measured one iteration without them.
 
+With ``speculate_memory_gb`` (experimental, ``speculation.py``), the early loads take the members
+first, in the order their gradients become final, and each is updated in backward as soon as its
+gradient is final, into a second host region; at the step's start (``_begin_step``: DeepSpeed has
+the norm) the updates are committed, and DeepSpeed's loop skips those sub-groups, or discarded.
+
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups
 into the two slots. The DeepSpeed tensor objects never change: ``fp32_partitioned_groups_flat[i]``
 (the key of ``optimizer.state``) and each state tensor get their ``.data`` pointed at the device

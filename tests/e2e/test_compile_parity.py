@@ -83,7 +83,7 @@ def test_compile_parity_one_gpu(tmp_path, name):
 
 @pytest.mark.gpu2
 @pytest.mark.skipif(gpus() < 2, reason=f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {gpus()}")
-@pytest.mark.parametrize("name", ["reload_in_backward_gas2"])
+@pytest.mark.parametrize("name", ["reload_in_backward_gas2", "reload_in_backward_colocate"])
 def test_compile_parity_two_gpus(tmp_path, name):
     run_case(tmp_path, name, nprocs=2)
 

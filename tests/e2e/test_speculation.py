@@ -83,19 +83,13 @@ def test_speculation_parity(tmp_path, case):
             assert_bitwise_equal(plain, control)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["fused_adam", "torch_adamw"])
-def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
-    """On a GPU: the updates run on the compute stream in backward, after DeepSpeed's reduction stream
-    made the gradient final, and write back on the copy stream. Early loads begin at the third step
-    (the second is measured without them), so 8 steps, clipping on every third."""
-    if gpus() < 1:
-        pytest.skip("needs a CUDA GPU")
+def run_on_gpus(tmp_path, optimizer, nprocs):
+    """Plain ZeRO-3, speculation and its negative control on `nprocs` GPUs, one rank each."""
     spec = dict(BASE, clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], steps=8, optimizer=optimizer, hidden=256)
     offload = dict(OFFLOAD, overlap_memory_gb=1)  # a fixed cap: early loads (and updates) from the first step
     names = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=offload)),
              ("control", dict(offload=offload, force_commit=True))]
-    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, optimizer, nprocs=1, timeout=600)
+    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, optimizer, nprocs=nprocs, timeout=600)
     plain, ours, control = out["variants"]
     assert_bitwise_equal(plain, ours)
     c = ours["handle"]["speculation"]
@@ -103,3 +97,21 @@ def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
     assert c["speculated"] == c["committed"] + c["discarded"], c
     with pytest.raises(AssertionError):
         assert_bitwise_equal(plain, control)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["fused_adam", "torch_adamw"])
+def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
+    """On a GPU: the updates run on the compute stream in backward, after DeepSpeed's reduction stream
+    made the gradient final, and write back on the copy stream; 8 steps, clipping on every third."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    run_on_gpus(tmp_path, optimizer, nprocs=1)
+
+
+@pytest.mark.gpu2
+def test_speculation_parity_gpu_two_ranks(tmp_path):
+    """Two GPUs: the gradient norm is all-reduced over NCCL, and each rank commits or discards alike."""
+    if gpus() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs (NCCL ranks cannot share one), this machine has {gpus()}")
+    run_on_gpus(tmp_path, "fused_adam", nprocs=2)
