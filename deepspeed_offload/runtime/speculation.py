@@ -129,7 +129,11 @@ class Speculation:
             if i is None or not p.requires_grad:
                 continue
             seen = self._seen.setdefault(i, set())
-            if p.ds_id in seen:
+            if p.ds_id in seen:  # reduced again in this backward (reentrant checkpointing)
+                if i in self.updated:
+                    self.discard_all("gradient changed")  # updated from the gradient before this one
+                elif i in self._final:
+                    self._final_event[i] = self.mode.copies.mark()  # the update waits for this copy too
                 continue
             seen.add(p.ds_id)
             if len(seen) == self.needed[i]:
@@ -156,26 +160,32 @@ class Speculation:
         if not self._guarded:
             mode._guard()  # an async checkpoint may still read the region this writes
             self._guarded = True
-        table.arrive(i)
-        mode.copies.compute_waits(self._final_event.pop(i, None))
         group = self.base.param_groups[opt.sub_group_to_group_id[i]]
         state_before = _small_state(state, store.slices[i])
         group_before = _group_entries(group)
-        mode.tensors.point_at(i, lambda key: table.view(i, key))
-        master.grad = self._fp32_grad(i)
-        # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
-        # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
-        master.grad.mul_(1. / opt.loss_scale)
-        opt._optimizer_step(i)
-        master.grad = None
-        lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
-        lp, _ = mode.copies.alloc({lp_dtype: master.numel()})
-        lp[lp_dtype].copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
-        spec = Speculated(state_after=_small_state(state, store.slices[i]), group_after=_group_entries(group),
-                          group_before=group_before, loss_scale=float(opt.loss_scale), lp_written=None)
-        _restore_state(state, state_before)
-        _restore_group(group, group_before)
-        mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
+        try:
+            table.arrive(i)
+            mode.copies.compute_waits(self._final_event.pop(i, None))
+            mode.tensors.point_at(i, lambda key: table.view(i, key))
+            master.grad = self._fp32_grad(i)
+            # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
+            # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
+            master.grad.mul_(1. / opt.loss_scale)
+            opt._optimizer_step(i)
+            master.grad = None
+            lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
+            lp, _ = mode.copies.alloc({lp_dtype: master.numel()})
+            lp[lp_dtype].copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
+            spec = Speculated(state_after=_small_state(state, store.slices[i]), group_after=_group_entries(group),
+                              group_before=group_before, loss_scale=float(opt.loss_scale), lp_written=None)
+        except BaseException:
+            table.release(i)  # its device copy may be half updated: the step loads it again
+            raise
+        finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
+            master.grad = None
+            _restore_state(state, state_before)
+            _restore_group(group, group_before)
+            mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
         table.mark_updated(i)
         spec.lp_written, _ = mode.copies.d2h({lp_dtype: self.staging.region(i, lp_dtype)}, lp,
                                              waits=(table[i].updated, ))

@@ -71,6 +71,9 @@ DERIVED_BUDGET_SPARE = 0.5
 READERS = ("state_dict", "_get_fp32_opt_state_partition")
 # ... and that write it: they also wait for a checkpoint write and drop what was loaded early.
 WRITERS = ("_restore_from_bit16_weights", "_restore_from_fp32_weights", "set_full_hp_param", "set_local_hp_param")
+# ... and that write the gradient partitions between backward and the step (safe_set_full_grad and
+# its kin): an update speculated from the gradients before them is void.
+GRAD_WRITERS = ("set_fp32_grad_for_param", "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized")
 # The optimizer method the gradient hooks call as backward produces each gradient (and frees memory).
 GRADIENT_HOOK = "reduce_ready_partitions_and_remove_grads"
 
@@ -188,12 +191,24 @@ class StreamMode:
             for name in ("unscale_and_clip_grads", "_optimizer_step"):
                 patch(opt, name, lambda orig: spec.skip_committed(orig))
             patch(opt, "_reassign_or_swap_out_partitioned_parameters", lambda orig: spec.wrap_reassign(orig))
+            for name in GRAD_WRITERS:
+                if hasattr(opt, name):
+                    patch(opt, name, lambda orig: self._discarding(orig, "gradient written"))
         # engine.offload_states()/reload_states() check their arguments and call these two.
         patch(opt, "offload_states", lambda orig: self.colocation.offload_states)
         patch(opt, "reload_states", lambda orig: lambda *a, **kw: self.colocation.reload_states(orig, *a, **kw))
         # ... and while they are in effect, these refuse on entry, before the engine changes anything.
         for name in ("step", "backward", "load_checkpoint"):
             patch(engine, name, lambda orig, name=name: self._refuse_if_offloaded(orig, name))
+
+    def _discarding(self, orig, why):
+        """``orig`` changes what the updates speculated in backward were computed from."""
+
+        def call(*args, **kwargs):
+            self._discard_speculation(why)
+            return orig(*args, **kwargs)
+
+        return call
 
     def _refuse_if_offloaded(self, orig, name):
 

@@ -414,6 +414,10 @@ def train_with(spec):
                 engine.optimizer.state_dict()  # a reader of host state between backward and the step
             if spec.get("clip_by_step") and micro == gas - 1:  # clipping that fires on some steps only
                 engine.optimizer.clip_grad = spec["clip_by_step"][step % len(spec["clip_by_step"])]
+            if step in spec.get("set_grad_at", ()) and micro == gas - 1:  # a gradient edited before the step
+                from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+                p = next(p for p in engine.module.parameters() if p.requires_grad)
+                safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
             if step == spec.get("abort_at") and micro == gas - 1:
                 result_extra["abort"] = abort_step(engine, spec.get("abort_fail_at"))
                 continue

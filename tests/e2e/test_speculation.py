@@ -28,6 +28,10 @@ CASES = {
     "always_clips": dict(clip=TINY),
     "clips_on_odd_steps": dict(clip=HUGE, clip_by_step=[HUGE, TINY]),
     "gas2": dict(clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], gas=2),
+    # several parameters per sub-group: final only once all of them are reduced (buckets, epilogue)
+    "few_large_sub_groups": dict(sub_group_size=1500, clip=HUGE, clip_by_step=[HUGE, TINY, HUGE]),
+    # a gradient edited with safe_set_full_grad between backward and the step voids the updates
+    "gradient_written": dict(clip=HUGE, set_grad_at=[2, 4]),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
     "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7),
 }
@@ -70,6 +74,8 @@ def test_speculation_parity(tmp_path, case):
         elif case == "always_clips":
             assert c["committed"] == 0 and c["discarded"] > 0 and c["rollback_steps"] == steps - 1, c
             assert all(side == 0 for side in c["current"]), c
+        elif case == "gradient_written":
+            assert c["reasons"] == {"gradient written": 2} and c["committed"] > 0, c
         elif case == "fp16_scale_moves":
             assert c["committed"] > 0 and c["discarded"] > 0, c  # scale changes and the overflow roll back
         else:
