@@ -20,6 +20,8 @@ later reload is placed as the plan saw it.
 
 from typing import Dict, List, Sequence, Tuple
 
+from ..runtime.layout import fitting_prefix
+
 
 def suffix_peaks(records: Sequence[Tuple[str, int]]) -> Dict[str, int]:
     """``records``: (node name, peak bytes) in execution order. Each node's peak from there on."""
@@ -35,13 +37,8 @@ def plan_kept(placed: Sequence[Tuple[int, int]], budget: int, floor: int) -> Lis
     of the iteration without them (the larger of backward's peak and the forward's peak plus the
     step's staging). The longest prefix of ``placed`` that fits in ``budget`` beside ``floor``: the
     sub-groups that may stay on the device between steps."""
-    kept, held = [], 0
-    for sub_group, nbytes in placed:
-        if floor + held + nbytes > budget:
-            break
-        kept.append(sub_group)
-        held += nbytes
-    return kept
+    nbytes = dict(placed)
+    return fitting_prefix([sub_group for sub_group, _ in placed], nbytes.__getitem__, budget - floor)
 
 
 def plan_reloads(records: Sequence[Tuple[str, int]], tasks: Sequence[Tuple[int, int]], budget: int, reserve: int,

@@ -9,7 +9,7 @@ the state it holds). Everything else in the runtime reads these figures instead 
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -79,12 +79,7 @@ def compute_layout(opt, budget_bytes: int) -> Layout:
     def nbytes(i) -> int:
         return sum(numel * element_size(dt) for _, dt, numel in entries(i))
 
-    resident, kept = [], 0
-    for i in range(n):
-        if kept + nbytes(i) > budget_bytes:
-            break
-        resident.append(i)
-        kept += nbytes(i)
+    resident = fitting_prefix(range(n), nbytes, budget_bytes)
     order = [i for i in range(n) if i not in resident and entries(i)]
     slot_numel: Dict[torch.dtype, int] = {}
     for i in order:
@@ -101,3 +96,15 @@ def compute_layout(opt, budget_bytes: int) -> Layout:
                   slot_numel=slot_numel,
                   slot_bytes=sum(numel * element_size(dt) for dt, numel in slot_numel.items()),
                   grad_bytes=max((m.numel() * element_size(m.dtype) for m in masters), default=0))
+
+
+def fitting_prefix(items: Iterable[int], nbytes: Callable[[int], int], budget: int) -> List[int]:
+    """The longest prefix of ``items`` whose bytes together fit in ``budget``: what stays resident,
+    what compile mode keeps on the device, which sub-groups speculate."""
+    out, held = [], 0
+    for i in items:
+        if held + nbytes(i) > budget:
+            break
+        out.append(i)
+        held += nbytes(i)
+    return out

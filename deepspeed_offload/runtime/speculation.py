@@ -29,7 +29,7 @@ layers). DeepSpeed's per-sub-group calls that a commit replaces (``unscale_and_c
 installed by the stream mode's patch registry.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List
 
 import torch
@@ -47,7 +47,7 @@ class Speculated:
     state_after: Dict[str, object]  # the optimizer's own small state of the master after the update
     group_after: Dict[str, object]  # its param group's entries after the update
     group_before: Dict[str, object]  # ... and before (a change by the step's time voids the update)
-    loss_scale: float
+    loss_scale: float  # the one the update used
     lp_written: object  # event: the 16-bit cast reached the staging store
 
 
@@ -63,21 +63,7 @@ class Counters:
     reasons: Dict[str, int] = field(default_factory=dict)
 
     def as_dict(self):
-        return {"speculated": self.speculated, "committed": self.committed, "discarded": self.discarded,
-                "commit_steps": self.commit_steps, "rollback_steps": self.rollback_steps,
-                "reasons": dict(self.reasons)}
-
-
-def plan_members(order: List[int], nbytes: Dict[int, int], budget_bytes: int) -> List[int]:
-    """The sub-groups that get a second host region: from the last (the first gradients to be final)
-    down, while their regions fit in ``budget_bytes``."""
-    members, used = [], 0
-    for i in sorted(order, reverse=True):
-        if used + nbytes[i] > budget_bytes:
-            break
-        members.append(i)
-        used += nbytes[i]
-    return members
+        return asdict(self)
 
 
 class Speculation:
@@ -176,8 +162,7 @@ class Speculation:
             lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
             lp, _ = mode.copies.alloc({lp_dtype: master.numel()})
             lp[lp_dtype].copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
-            spec = Speculated(state_after=_small_state(state, store.slices[i]), group_after=_group_entries(group),
-                              group_before=group_before, loss_scale=float(opt.loss_scale), lp_written=None)
+            state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
         except BaseException:
             table.release(i)  # its device copy may be half updated: the step loads it again
             raise
@@ -187,14 +172,13 @@ class Speculation:
             _restore_group(group, group_before)
             mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
         table.mark_updated(i)
-        spec.lp_written, _ = mode.copies.d2h({lp_dtype: self.staging.region(i, lp_dtype)}, lp,
-                                             waits=(table[i].updated, ))
+        lp_written, _ = mode.copies.d2h({lp_dtype: self.staging.region(i, lp_dtype)}, lp, waits=(table[i].updated, ))
         nbytes, span = table.write_back(i, other=True)
         if mode.stats is not None:
             mode.stats.bytes_d2h += nbytes
             mode.stats.span("d2h", span)
             mode.stats.speculated += 1
-        self.updated[i] = spec
+        self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp_written)
         self.counters.speculated += 1
 
     def _fp32_grad(self, i: int) -> torch.Tensor:

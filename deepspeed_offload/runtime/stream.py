@@ -52,16 +52,17 @@ from deepspeed.utils import log_dist
 
 from ..config import OffloadConfig
 from ..handle import HANDLE_ATTR
-from ..host_memory import format_bytes
+from ..estimate import SPECULATION_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM
+from ..host_memory import HostMemory, format_bytes, local_ranks
 from .checkpoint import AsyncCheckpointer
 from .colocation import StateOffload
 from .copies import make_copies
 from .host_store import HostStore
-from .layout import compute_layout
+from .layout import compute_layout, fitting_prefix
 from .load_timing import LoadTiming
 from .patches import PatchRegistry
 from .residency import Phase, ResidencyTable
-from .speculation import Speculation, plan_members
+from .speculation import Speculation
 from .state_tensors import StateTensors
 from .step_stats import StepStats
 
@@ -152,14 +153,13 @@ class StreamMode:
             log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
             return []
         if gb is None:  # the second regions and their 16-bit staging within what is spare
-            from ..estimate import SPECULATION_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM
-            from ..host_memory import HostMemory, local_ranks
             store = sum(self.layout.nbytes[i] for i in self.order)
             spare = max(0, HostMemory.read().usable // local_ranks() - store)
             budget = spare * STATE_BYTES_PER_PARAM // SPECULATION_BYTES_PER_PARAM
         else:
             budget = int(gb * 2**30)
-        return plan_members(self.order, self.layout.nbytes, budget)
+        # the last sub-groups first: their gradients are final first
+        return fitting_prefix(sorted(self.order, reverse=True), self.layout.nbytes.__getitem__, budget)
 
     def _resident_budget_bytes(self) -> int:
         if self.cfg.memory_budget_gb is not None:

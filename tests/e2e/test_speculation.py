@@ -28,8 +28,11 @@ CASES = {
     "always_clips": dict(clip=TINY),
     "clips_on_odd_steps": dict(clip=HUGE, clip_by_step=[HUGE, TINY]),
     "gas2": dict(clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], gas=2),
-    # several parameters per sub-group: final only once all of them are reduced (buckets, epilogue)
-    "few_large_sub_groups": dict(sub_group_size=1500, clip=HUGE, clip_by_step=[HUGE, TINY, HUGE]),
+    # several parameters per sub-group, reduced in small buckets (one parameter's gradient each): a
+    # sub-group is final only once all of them are, over several reductions in backward
+    "few_large_sub_groups": dict(sub_group_size=1500, clip=HUGE, clip_by_step=[HUGE, TINY, HUGE],
+                                 extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1500,
+                                                                     "reduce_bucket_size": 64}}),
     # a gradient edited with safe_set_full_grad between backward and the step voids the updates
     "gradient_written": dict(clip=HUGE, set_grad_at=[2, 4]),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3

@@ -344,14 +344,14 @@ def test_host_store_twins_flip_without_copying():
 
 
 def test_speculation_members_and_host_plan():
-    """Members: from the last sub-group down (the first gradients to be final), within the budget;
+    """Members: a prefix from the last sub-group down (the first gradients to be final) that fits;
     the host plan adds their second regions and 16-bit staging (14 bytes for 12 of state)."""
     from deepspeed_offload.estimate import host_plan, state_bytes_per_rank
-    from deepspeed_offload.runtime.speculation import plan_members
-    nbytes = {0: 100, 1: 100, 2: 50, 3: 50}
-    assert plan_members([0, 1, 2, 3], nbytes, 120) == [3, 2]
-    assert plan_members([0, 1, 2, 3], nbytes, 49) == []
-    assert plan_members([0, 1, 2, 3], nbytes, 10**6) == [3, 2, 1, 0]
+    from deepspeed_offload.runtime.layout import fitting_prefix
+    nbytes = {0: 100, 1: 100, 2: 50, 3: 50}.__getitem__
+    assert fitting_prefix([3, 2, 1, 0], nbytes, 120) == [3, 2]
+    assert fitting_prefix([3, 2, 1, 0], nbytes, 49) == []
+    assert fitting_prefix([3, 2, 1, 0], nbytes, 10**6) == [3, 2, 1, 0]
     params, gib = 10**9, 2**30
     store = state_bytes_per_rank(params, 1)
     assert host_plan(params, 1, 1).store_per_rank == store
