@@ -201,7 +201,7 @@ def run(args, argv):
     stem = os.path.splitext(args.out)[0]
     for mode in tqdm([m for m in modes if m.name not in results], desc="modes"):
         results[mode.name] = run_mode(mode, args, argv, stem, timeouts[mode.name])
-        brief = {k: v for k, v in results[mode.name].items() if k not in ("per_iter", "timeline", "per_rank")}
+        brief = {k: v for k, v in results[mode.name].items() if k not in ("per_iter", "timeline", "per_rank", "profile")}
         tqdm.write(f"{mode.name}: {json.dumps(brief)[:600]}")
         summarize(results, args)  # after every mode: a run cut short keeps what it measured
     summary = summarize(results, args)

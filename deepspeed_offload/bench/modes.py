@@ -208,4 +208,6 @@ def ds_config(mode, args):
         "zero_optimization": {"stage": 3},
         "steps_per_print": 10**9,
     }
+    if getattr(args, "gradient_clipping", None) is not None:
+        cfg["gradient_clipping"] = args.gradient_clipping
     return _merge(cfg, mode.config)

@@ -16,7 +16,7 @@ TIMELINE_HELP = "resident and the stream modes (stream, stream_overlap, stream@B
 
 # What identifies a run (the rest says where its output goes or how it is driven; a preset is
 # identified by the sizes it sets, which are compared).
-NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "timeout", "worker", "result_file", "preset")
+NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "profile", "timeout", "worker", "result_file", "preset")
 
 
 def build_parser(ap=None):
@@ -48,6 +48,9 @@ def build_parser(ap=None):
     ap.add_argument("--budget-gb", type=float, default=16.0, help="memory_budget_gb of compile_offload_budget")
     ap.add_argument("--overlap-memory-gb", type=float, default=None,
                     help="overlap_memory_gb of stream_overlap and stream_overlap@B (default: null, derived)")
+    ap.add_argument("--gradient-clipping", type=float, default=None,
+                    help="gradient_clipping of every mode's ds_config (default: unset, DeepSpeed's 1.0); a tiny "
+                    "value makes clipping fire at every step")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bw-gib", type=int, default=2)
@@ -62,6 +65,9 @@ def build_parser(ap=None):
     ap.add_argument("--plot", default=None, help="PNG path for the chart (and <name>-sweep.png for the budget sweep)")
     ap.add_argument("--timeline", default=None,
                     help="PNG path for the memory timeline of one iteration of " + TIMELINE_HELP)
+    ap.add_argument("--profile", default=None,
+                    help="directory for a torch.profiler trace of two more iterations of " + TIMELINE_HELP +
+                    " (each mode's summary per stream goes into its result)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap

@@ -22,6 +22,7 @@ from . import results
 from .loop import GiB, Loop
 from .models import build_model, llama_classes, make_loss
 from .modes import describe, ds_config
+from .profile import profiled
 from .timeline import traced
 
 # DeepCompile compiles, profiles and re-applies its passes over the first steps: warm up longer.
@@ -100,8 +101,8 @@ def build_engine(mode, args, acc, progress):
 
 
 def measure(loop, args, progress):
-    """Warm-up and measured iterations, then the pipelined run and, with ``--timeline`` for a traced
-    mode, one traced iteration; the measured iterations' figures."""
+    """Warm-up and measured iterations, then the pipelined run and, for a traced mode, one traced
+    iteration (``--timeline``) and two profiled ones (``--profile``); the measured iterations' figures."""
     warmup = max(args.warmup, COMPILED_WARMUP) if loop.mode.compiled else args.warmup
     rows = []
     for k in range(warmup + args.iters):
@@ -111,6 +112,10 @@ def measure(loop, args, progress):
     out.update(loop.pipelined(args.iters))
     if args.timeline and loop.mode.traced:
         out["timeline"] = traced(loop)
+    if getattr(args, "profile", None) and loop.mode.traced:
+        os.makedirs(args.profile, exist_ok=True)
+        rank = os.environ.get("RANK", "0")
+        out["profile"] = profiled(loop, os.path.join(args.profile, f"{loop.mode.file_name()}.rank{rank}.trace.json.gz"))
     out["warmup"] = warmup
     return out
 

@@ -59,6 +59,8 @@ def test_every_mode_has_a_config_and_a_baseline():
                         "compile_offload@default")}
     assert budget == {"compile_offload": None, "compile_offload_budget": args.budget_gb, "compile_offload_full": 0,
                       "compile_offload@8": 8.0, "compile_offload@default": None}
+    assert "gradient_clipping" not in config("resident", args)  # DeepSpeed's default unless asked
+    assert config("stream_speculate", parse("--gradient-clipping", "1e-9"))["gradient_clipping"] == 1e-9
     assert "optimizer_state_offload" not in config("dc_offload_opt_states", args)
     assert config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
 
@@ -611,3 +613,30 @@ def test_the_worker_runs_two_ranks_through_torchrun(tmp_path, no_shm_left_behind
     """``--ranks 2``'s launch command, two gloo ranks on the CPU: rank 0 reports both ranks."""
     r = run_worker(tmp_path, driver.launcher(parse("--ranks", "2")), "stream@0")
     check_worker_result(r, 2)
+
+
+def test_profile_summary_of_the_last_iteration():
+    """--profile's summary: the phases of the last iteration from the GPU annotations, each stream's
+    busy time in them (overlapping kernels counted once) and the bytes it copied each way."""
+    from deepspeed_offload.bench.profile import summarize
+
+    def x(cat, name, ts, dur, stream, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": stream, "args": dict(args, stream=stream)}
+
+    events = []
+    for it in (0, 1000):  # two iterations of 1000 us: forward 0-300, backward 300-800, step 800-900
+        events += [x("gpu_user_annotation", "forward", it, 300, 7), x("gpu_user_annotation", "backward", it + 300, 500, 7),
+                   x("gpu_user_annotation", "step", it + 800, 100, 7),
+                   x("kernel", "gemm", it, 300, 7), x("kernel", "gemm", it + 300, 400, 7),
+                   x("kernel", "adam", it + 350, 100, 30), x("kernel", "adam", it + 400, 100, 30),  # overlapping: 150 us
+                   x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", it + 310, 200, 20, bytes=10**9),
+                   x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", it + 820, 250, 21, bytes=2 * 10**9)]
+    out = summarize({"traceEvents": events})
+    assert out["phases_s"]["forward"] == [0.0, 0.0003] and out["phases_s"]["step"] == [0.0008, 0.0009]
+    assert out["iteration_s"] == 0.00107  # to the end of the last copy
+    by = {s["stream"]: s for s in out["streams"]}
+    assert by[7]["busy_s"]["backward"] == 0.0004 and by[7]["busy_s"]["step"] == 0.0
+    assert by[30]["busy_s"]["backward"] == 0.00015 and by[30]["kernel_s"] == 0.0002
+    assert by[20]["h2d_GB"] == 1.0 and by[21]["d2h_GB"] == 2.0
+    assert by[21]["busy_s"]["step"] == 0.00008 and by[21]["busy_s"]["after_step"] == 0.00017
+    assert summarize({"traceEvents": []}) == {"error": "no forward/backward/step ranges in the trace"}

@@ -1,0 +1,116 @@
+"""The GPU timeline of an iteration, per stream: ``--profile DIR`` runs two more (unsynchronized)
+iterations of each traced mode under ``torch.profiler``, writes the Chrome trace (open it in
+Perfetto) and summarizes the last iteration: when forward, backward and the step ran on the GPU, and
+what each stream (compute, DeepSpeed's reduction stream, our copy and side streams) did in each of them.
+
+``python -m deepspeed_offload.bench.profile TRACE.json.gz`` prints the summary of a saved trace.
+"""
+
+import gzip
+import json
+import os
+import sys
+
+PHASES = ("forward", "backward", "step")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def profiled(loop, path, iters=2):
+    """``iters`` iterations of ``loop`` under the profiler, each phase in a ``record_function``
+    range; the trace gzipped into ``path``; returns the summary (None off CUDA)."""
+    if loop.acc.device_name() != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile, record_function
+    loop.acc.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            with record_function("forward"):
+                loss = loop.loss_of(loop.engine)
+            with record_function("backward"):
+                loop.engine.backward(loss)
+            with record_function("step"):
+                loop.step()
+        loop.acc.synchronize()
+    raw = path + ".tmp.json"
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as f:
+        trace = json.load(f)
+    with gzip.open(path, "wb") as f:
+        f.write(json.dumps(trace).encode())
+    os.remove(raw)
+    return summarize(trace)
+
+
+def _union(intervals):
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def summarize(trace):
+    """The last iteration of a Chrome trace from ``profiled``: each phase's span on the GPU (the
+    ``gpu_user_annotation`` of its range, else the CPU range) and, per stream, the seconds it was
+    busy in each phase and after the step, and what it launched in this iteration: GB copied each
+    way, seconds of kernels."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    spans = {}
+    for cat in ("gpu_user_annotation", "user_annotation"):
+        for e in events:
+            if e.get("cat") == cat and e.get("name") in PHASES:
+                spans.setdefault(cat, {}).setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+        if all(p in spans.get(cat, {}) for p in PHASES):
+            break
+    found = spans.get("gpu_user_annotation") or spans.get("user_annotation")
+    if not found or not all(p in found for p in PHASES):
+        return {"error": "no forward/backward/step ranges in the trace"}
+    start = max(a for a, _ in found["forward"])  # the last iteration's forward
+    phase = {p: max((s for s in found[p] if s[0] >= start), default=None) for p in PHASES}
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and e["ts"] + e["dur"] >= start]
+    end = max([e["ts"] + e["dur"] for e in gpu] + [phase["step"][1]])
+    windows = dict(phase)
+    windows["after_step"] = (phase["step"][1], end)
+    streams = {}
+    for e in gpu:
+        sid = (e.get("args") or {}).get("stream", e.get("tid"))
+        s = streams.setdefault(sid, {"intervals": [], "h2d_GB": 0.0, "d2h_GB": 0.0, "kernel_s": 0.0})
+        s["intervals"].append((e["ts"], e["ts"] + e["dur"]))
+        if e["ts"] < start:
+            continue  # the last iteration's work, still running: busy here, counted there
+        nbytes = (e.get("args") or {}).get("bytes", 0) or 0
+        name = e.get("name", "")
+        if "HtoD" in name:
+            s["h2d_GB"] += nbytes / 1e9
+        elif "DtoH" in name:
+            s["d2h_GB"] += nbytes / 1e9
+        elif e.get("cat") == "kernel":
+            s["kernel_s"] += e["dur"] / 1e6
+    out_streams = []
+    for sid, s in sorted(streams.items(), key=lambda kv: -sum(b - a for a, b in kv[1]["intervals"])):
+        busy = {w: _union([(max(a, lo), min(b, hi)) for a, b in s["intervals"] if b > lo and a < hi]) / 1e6
+                for w, (lo, hi) in windows.items()}
+        out_streams.append({"stream": sid, "busy_s": {k: round(v, 6) for k, v in busy.items()},
+                            "kernel_s": round(s["kernel_s"], 6), "h2d_GB": round(s["h2d_GB"], 3),
+                            "d2h_GB": round(s["d2h_GB"], 3),
+                            "first_s": round((min(a for a, _ in s["intervals"]) - start) / 1e6, 6),
+                            "last_s": round((max(b for _, b in s["intervals"]) - start) / 1e6, 6)})
+    return {"iteration_s": round((end - start) / 1e6, 6),
+            "phases_s": {w: [round((lo - start) / 1e6, 6), round((hi - start) / 1e6, 6)] for w, (lo, hi) in windows.items()},
+            "streams": out_streams}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    for path in argv:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            print(json.dumps(summarize(json.load(f)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
