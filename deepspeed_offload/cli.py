@@ -114,7 +114,7 @@ def cmd_estimate(ns) -> int:
               f"the GPU holds two staging slots, {format_bytes(est['staging_during_step'])}")
         print(f"pinned host memory per node ({ranks_per_node} ranks): {format_bytes(est['host_pinned_per_node'])}"
               + ("" if not spec else f", plus {format_bytes(spec * ranks_per_node)} for speculation (second "
-                 f"regions and 16-bit staging, speculate_memory_gb {speculate_gb:g})")
+                 f"regions, speculate_memory_gb {speculate_gb:g})")
               + (", plus what the host has spare for speculation (speculate_memory_gb null)"
                  if speculate_gb is None else ""))
         shared = ("" if per_rank_bw == bandwidth else

@@ -183,8 +183,10 @@ def _cross_check(ds_config, offload: OffloadConfig, ds: DeepSpeedView) -> Plan:
 
     if offload.speculate_memory_gb:  # null (derived) is off where speculation cannot run
         if mode == "compile":
-            raise ConfigError(f"{BLOCK}.speculate_memory_gb", "speculation runs in stream mode only (compile "
-                              "mode's graphs place the loads): set it to 0 or use mode 'stream'")
+            raise ConfigError(f"{BLOCK}.speculate_memory_gb", "speculation runs in stream mode only (under "
+                              "DeepCompile, gradients are reduced in buckets its executor flushes when they fill "
+                              "or at the end of backward, so no sub-group's gradient is known final sooner): "
+                              "set it to 0 or use mode 'stream'")
         if not offload.overlap:
             raise ConfigError(f"{BLOCK}.speculate_memory_gb", "speculation updates sub-groups in backward, "
                               f"where only overlap loads them: set {BLOCK}.overlap to true or this to 0")

@@ -9,15 +9,10 @@ from .host_memory import HostPlan, local_ranks
 
 # Adam's fp32 master weight plus its two moments: what one parameter costs in the host store.
 STATE_BYTES_PER_PARAM = 12
-# A speculating parameter's second region, plus the 16-bit cast of its update (bf16/fp16) staged on the host.
-SPECULATION_BYTES_PER_PARAM = STATE_BYTES_PER_PARAM + 2
-
-
 def speculation_bytes(offloaded: int, speculate_gb: Optional[float]) -> int:
     """Host memory per rank that ``speculate_memory_gb`` adds to a store of ``offloaded`` bytes: the
-    second regions it allows (at most the store) and their 16-bit staging (null: what is spare, 0 here)."""
-    twins = min(offloaded, int((speculate_gb or 0) * 2**30))
-    return twins * SPECULATION_BYTES_PER_PARAM // STATE_BYTES_PER_PARAM
+    second regions it allows, at most the store (null: what is spare, 0 here)."""
+    return min(offloaded, int((speculate_gb or 0) * 2**30))
 
 
 def state_bytes_per_rank(params: int, world: int) -> int:

@@ -3,7 +3,8 @@
 Two implementations with one interface, picked by ``make_copies()`` at attach (the way
 ``torch.optim.adam`` picks its implementation once instead of branching in the loop):
 
-- ``AsyncCopies`` (a GPU): an H2D stream and a D2H stream of their own, events to order them
+- ``AsyncCopies`` (a GPU): an H2D stream and a D2H stream of their own (and a side stream for work
+  that must not hold the compute stream up: speculated updates), events to order them
   against the compute stream, ``record_stream`` so that the caching allocator does not hand a
   buffer to anyone else before the copies that use it are done. Nothing here blocks the CPU
   except ``wait_host`` (and ``elapsed``, when stats are read).
@@ -15,6 +16,7 @@ The executor knows nothing of sub-groups or phases: ``runtime/residency.py`` dec
 what and passes the events in.
 """
 
+import contextlib
 import time
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -51,8 +53,15 @@ class SyncCopies:
         return None, (t0, time.perf_counter())
 
     def mark(self) -> object:
-        """An event at the compute stream's current position (None: everything is done already)."""
+        """An event at the current stream's position (None: everything is done already)."""
         return None
+
+    def side(self):
+        """Run what follows on a third stream, beside the compute stream (here: where it is)."""
+        return contextlib.nullcontext()
+
+    def join_side(self) -> None:
+        """The compute stream waits for everything queued on the side stream so far."""
 
     def compute_waits(self, event) -> None:
         pass
@@ -76,6 +85,7 @@ class AsyncCopies:
         self.acc = acc or get_accelerator()
         self.h2d_stream = self.acc.Stream()
         self.d2h_stream = self.acc.Stream()
+        self.side_stream = self.acc.Stream()  # speculated updates: backward does not wait for them
 
     def _event(self, stream, timing=False):
         ev = self.acc.Event(enable_timing=timing)
@@ -117,6 +127,14 @@ class AsyncCopies:
 
     def mark(self) -> object:
         return self._event(self.acc.current_stream())
+
+    def side(self):
+        # Everything in the block (its waits, allocations, kernels, marks) is on the side stream;
+        # memory allocated there returns to that stream's pool.
+        return self.acc.stream(self.side_stream)
+
+    def join_side(self) -> None:
+        self.acc.current_stream().wait_stream(self.side_stream)
 
     def compute_waits(self, event) -> None:
         if event is not None:

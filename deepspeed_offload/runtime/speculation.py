@@ -11,15 +11,17 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
   gradients became final in the last iteration), it is **updated** there: its fp32 gradient built as
   DeepSpeed builds it, times the factor ``unscale_and_clip_grads`` uses when clipping does not
   fire (1 / loss scale), then DeepSpeed's own ``_optimizer_step``;
-  the result goes to the sub-group's *second* host region (``HostStore`` twins) and its 16-bit
-  cast to a host staging buffer, while the optimizer's small state (Adam's ``step``) and group
-  entries are put back as they were;
+  the result goes to the sub-group's *second* host region (``HostStore`` twins) while its 16-bit
+  cast stays on the device (2 bytes a parameter, counted with the early loads so that the peak does
+  not rise), and the optimizer's small state (Adam's ``step``) and group entries are put back as
+  they were. The updates run on a side stream: backward never waits for a load or an update;
 - at the step, once DeepSpeed has the norm: if it did not overflow, the loss scale and the
   hyper-parameters are the ones the update used, and the clip factor is exactly 1, each updated
   sub-group is **committed** in DeepSpeed's loop (its second region becomes current: nothing is
-  copied, the 16-bit partition is copied in from the staging buffer); otherwise everything
+  copied, the 16-bit partition is copied in from the cast kept on the device); otherwise everything
   speculated is **discarded** and the step runs as if nothing had happened (the current region was
-  never touched).
+  never touched). Where rollbacks repeat (clipping fires at every step), ``Backoff`` spaces the
+  backwards that speculate out, so that the steps that reload what they wrote back stay rare.
 
 A sub-group's speculation goes ``final -> updated -> committed | discarded``; this class is the one
 place that moves it. The members (sub-groups with a second region) are chosen at attach within
@@ -36,9 +38,13 @@ import torch
 from deepspeed.utils import log_dist
 
 from ..host_memory import format_bytes
-from .host_store import MASTER, HostStore
+from .host_store import MASTER
 
-LP = "__lp__"  # the 16-bit cast of an updated master, in the staging store
+# Rollbacks that say the next step may roll back too (the norm clips, fp16 overflows, the loss scale
+# or the hyper-parameters move between backward and step): each one in a row doubles the number of
+# boundary backwards that do not speculate after it, up to MAX_BACKOFF; a commit resets it.
+BACKS_OFF = ("clipped", "overflow", "loss scale", "hyper-parameters")
+MAX_BACKOFF = 64
 
 
 @dataclass
@@ -48,7 +54,7 @@ class Speculated:
     group_after: Dict[str, object]  # its param group's entries after the update
     group_before: Dict[str, object]  # ... and before (a change by the step's time voids the update)
     loss_scale: float  # the one the update used
-    lp_written: object  # event: the 16-bit cast reached the staging store
+    lp: torch.Tensor  # the 16-bit cast of the updated master, on the device (made on the side stream)
 
 
 @dataclass
@@ -61,9 +67,34 @@ class Counters:
     commit_steps: int = 0
     rollback_steps: int = 0
     reasons: Dict[str, int] = field(default_factory=dict)
+    backed_off: int = 0  # boundary backwards that did not speculate (``Backoff``)
 
     def as_dict(self):
         return asdict(self)
+
+
+@dataclass
+class Backoff:
+    """Where rollbacks repeat (clipping fires every step), speculating costs a step that reloads
+    everything it wrote back in backward. After ``n`` rollbacks in a row, the next
+    ``min(2**(n-1), limit)`` boundary backwards run today's path; then one speculates again."""
+    limit: int = MAX_BACKOFF  # (0: speculate at every step, whatever happened before)
+    skip_next: int = 0  # boundary backwards left that do not speculate
+    length: int = 0  # the skip after the last rollback
+
+    def rolled_back(self):
+        self.length = min(max(1, 2 * self.length), self.limit)
+        self.skip_next = self.length
+
+    def committed(self):
+        self.length = self.skip_next = 0
+
+    def skips(self) -> bool:
+        """Whether this boundary backward does not speculate (counts it down)."""
+        if self.skip_next:
+            self.skip_next -= 1
+            return True
+        return False
 
 
 class Speculation:
@@ -76,11 +107,9 @@ class Speculation:
         self.group_of = {p.ds_id: i for i, params in enumerate(self.opt.fp16_groups) if i in self.members
                          for p in params}
         self.needed = {i: sum(bool(p.requires_grad) for p in self.opt.fp16_groups[i]) for i in self.members}
-        lp = self.opt.fp16_partitioned_groups_flat
-        self.staging = HostStore({i: [(LP, lp[i].dtype, lp[i].numel())] for i in self.members},
-                                 mode.cfg.pin_memory, warn_pageable=False) if self.members else None
         self.load_order: List[int] = sorted(self.members, reverse=True)  # learned: the order they became final
         self.counters = Counters()
+        self.backoff = Backoff()
         self.force_commit = False  # tests only: commit without the norm check (the negative control)
         self._boundary = False
         self._seen: Dict[int, set] = {}  # this boundary backward: sub-group -> ds_ids of its parameters partitioned
@@ -88,22 +117,37 @@ class Speculation:
         self._final_order: List[int] = []
         self._final_event: Dict[int, object] = {}
         self.updated: Dict[int, Speculated] = {}
-        self.committing: set = set()  # this step: sub-groups whose update it takes
+        self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
         self._guarded = False
 
     def describe(self) -> str:
         store = self.mode.store
-        return (f"{len(self.members)} sub-groups speculate ({format_bytes(store.twin_nbytes)} second host regions, "
-                f"{format_bytes(self.staging.nbytes if self.staging else 0)} 16-bit staging)")
+        return f"{len(self.members)} sub-groups speculate ({format_bytes(store.twin_nbytes)} second host regions)"
+
+    @property
+    def held_bytes(self) -> int:
+        """Device memory the updates waiting for the norm hold (their 16-bit casts)."""
+        return sum(s.lp.numel() * s.lp.element_size() for s in self.updated.values())
 
     # ------------------------------------------------------------------ backward
 
-    def backward_begins(self, boundary: bool):
+    def backward_begins(self, boundary: bool) -> bool:
+        """Returns whether this backward speculates (a boundary one, not backing off)."""
         self._boundary = boundary and bool(self.members)
+        self.mode.copies.join_side()  # this backward's reductions rewrite what the last updates read
         if self._boundary:
             self.discard_all("no step")  # an update from a backward whose step never ran is stale
             self._seen, self._final, self._final_order, self._final_event = {}, [], [], {}
             self._guarded = False
+            if self.backoff.skips():
+                self.counters.backed_off += 1
+                self._boundary = False
+        return self._boundary
+
+    def early_order(self, order: List[int]) -> List[int]:
+        """The order the early loads of a speculating backward take: the members in the order their
+        gradients became final last time, then the rest of ``order`` (the step's)."""
+        return self.load_order + [i for i in order if i not in self.members]
 
     def partitioned(self, params):
         """``partition_grads`` moved these parameters' gradients into their partitions (on the
@@ -147,38 +191,37 @@ class Speculation:
             mode._guard()  # an async checkpoint may still read the region this writes
             self._guarded = True
         group = self.base.param_groups[opt.sub_group_to_group_id[i]]
-        state_before = _small_state(state, store.slices[i])
-        group_before = _group_entries(group)
-        try:
-            table.arrive(i)
-            mode.copies.compute_waits(self._final_event.pop(i, None))
-            mode.tensors.point_at(i, lambda key: table.view(i, key))
-            master.grad = self._fp32_grad(i)
-            # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
-            # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
-            master.grad.mul_(1. / opt.loss_scale)
-            opt._optimizer_step(i)
-            master.grad = None
-            lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
-            lp, _ = mode.copies.alloc({lp_dtype: master.numel()})
-            lp[lp_dtype].copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
-            state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
-        except BaseException:
-            table.release(i)  # its device copy may be half updated: the step loads it again
-            raise
-        finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
-            master.grad = None
-            _restore_state(state, state_before)
-            _restore_group(group, group_before)
-            mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
-        table.mark_updated(i)
-        lp_written, _ = mode.copies.d2h({lp_dtype: self.staging.region(i, lp_dtype)}, lp, waits=(table[i].updated, ))
+        with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
+            state_before = _small_state(state, store.slices[i])  # (a tensor among them: copied on this stream)
+            group_before = _group_entries(group)
+            try:
+                table.arrive(i)
+                mode.copies.compute_waits(self._final_event.pop(i, None))
+                mode.tensors.point_at(i, lambda key: table.view(i, key))
+                master.grad = self._fp32_grad(i)
+                # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
+                # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
+                master.grad.mul_(1. / opt.loss_scale)
+                opt._optimizer_step(i)
+                master.grad = None
+                lp = torch.empty_like(opt.fp16_partitioned_groups_flat[i])
+                lp.copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
+                state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
+            except BaseException:
+                table.release(i)  # its device copy may be half updated: the step loads it again
+                raise
+            finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
+                master.grad = None
+                _restore_state(state, state_before)
+                _restore_group(group, group_before)
+                mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
+            table.mark_updated(i)
         nbytes, span = table.write_back(i, other=True)
         if mode.stats is not None:
             mode.stats.bytes_d2h += nbytes
             mode.stats.span("d2h", span)
             mode.stats.speculated += 1
-        self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp_written)
+        self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp)
         self.counters.speculated += 1
 
     def _fp32_grad(self, i: int) -> torch.Tensor:
@@ -196,6 +239,7 @@ class Speculation:
         """At the step's start (DeepSpeed has the norm and did not overflow): commit every update or
         none. Also learns the order gradients became final in, for the next backward's loads."""
         self._boundary = False
+        self.mode.copies.join_side()  # the step (and the next backward) after every update
         if self._final_order:
             rest = [i for i in self.load_order if i not in self._final_order]
             self.load_order = self._final_order + rest
@@ -213,8 +257,9 @@ class Speculation:
             if not bool(torch.clamp(clip, min=1.0) == 1.0):
                 why = "clipped"
         if why is None:
-            self.committing = set(self.updated)
+            self.committing = dict.fromkeys(self.updated)
             self.counters.commit_steps += 1
+            self.backoff.committed()
         else:
             self.discard_all(why)
 
@@ -231,7 +276,7 @@ class Speculation:
         _restore_state(self.base.state[master], spec.state_after)
         _restore_group(self.base.param_groups[opt.sub_group_to_group_id[i]], spec.group_after)
         opt.averaged_gradients[i] = None  # as _prepare_fp32_grad_for_sub_group leaves it
-        mode.copies.compute_waits(spec.lp_written)
+        self.committing[i] = spec.lp
         self.counters.committed += 1
         if mode.stats is not None:
             mode.stats.committed += 1
@@ -249,13 +294,20 @@ class Speculation:
 
     def wrap_reassign(self, orig):
         """``_reassign_or_swap_out_partitioned_parameters``: a committed sub-group's 16-bit partition
-        comes from the staging store (the cast computed in backward), not from its master."""
+        comes from the cast computed in backward, not from its master. Copied on the side stream,
+        where the cast was made (its memory goes back to that stream's pool), after what the compute
+        stream queued so far; ``step_ends`` makes the compute stream wait for it."""
 
         def reassign(sub_group_id, *args, **kwargs):
             if sub_group_id not in self.committing:
                 return orig(sub_group_id, *args, **kwargs)
             flat = self.opt.fp16_partitioned_groups_flat[sub_group_id]
-            flat.data.copy_(self.staging.region(sub_group_id, flat.dtype), non_blocking=True)
+            copies = self.mode.copies
+            queued = copies.mark()
+            with copies.side():
+                copies.compute_waits(queued)
+                flat.data.copy_(self.committing[sub_group_id])
+            self.committing[sub_group_id] = None  # its memory, once the copy is done
             self.opt._unflatten_partitioned_parameters(sub_group_id)
 
         return reassign
@@ -265,7 +317,8 @@ class Speculation:
         return i in self.committing
 
     def step_ends(self):
-        self.committing = set()
+        self.mode.copies.join_side()  # the next forward reads the committed 16-bit partitions
+        self.committing = {}
 
     def discard_all(self, why: str):
         """Drop every update not committed (``why``: counted): the current regions were never written."""
@@ -273,6 +326,8 @@ class Speculation:
             self.counters.discarded += len(self.updated)
             self.counters.rollback_steps += 1
             self.counters.reasons[why] = self.counters.reasons.get(why, 0) + 1
+            if why in BACKS_OFF:
+                self.backoff.rolled_back()
             if self.mode.stats is not None:
                 self.mode.stats.discarded += len(self.updated)
         self.updated.clear()

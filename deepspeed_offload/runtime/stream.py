@@ -52,7 +52,6 @@ from deepspeed.utils import log_dist
 
 from ..config import OffloadConfig
 from ..handle import HANDLE_ATTR
-from ..estimate import SPECULATION_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM
 from ..host_memory import HostMemory, format_bytes, local_ranks
 from .checkpoint import AsyncCheckpointer
 from .colocation import StateOffload
@@ -152,10 +151,9 @@ class StreamMode:
                for i in self.order):
             log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
             return []
-        if gb is None:  # the second regions and their 16-bit staging within what is spare
+        if gb is None:  # the second regions within what is spare
             store = sum(self.layout.nbytes[i] for i in self.order)
-            spare = max(0, HostMemory.read().usable // local_ranks() - store)
-            budget = spare * STATE_BYTES_PER_PARAM // SPECULATION_BYTES_PER_PARAM
+            budget = max(0, HostMemory.read().usable // local_ranks() - store)
         else:
             budget = int(gb * 2**30)
         # the last sub-groups first: their gradients are final first
@@ -270,9 +268,8 @@ class StreamMode:
             self._next_early = 0
             boundary = self.engine.is_gradient_accumulation_boundary()
             if self.speculation is not None and not self._in_step:
-                self.speculation.backward_begins(boundary)
-                members = self.speculation.load_order
-                self._early_order = members + [i for i in self.order if i not in self.speculation.members]
+                speculates = self.speculation.backward_begins(boundary)
+                self._early_order = self.speculation.early_order(self.order) if speculates else self.order
             if self.timing.backward_begins(boundary) and not self._in_step:
                 self._prefetch_into_slots()
             return orig(*args, **kwargs)
@@ -353,13 +350,16 @@ class StreamMode:
 
     def _load_early(self, allowance: float):
         """Load the next offloaded sub-groups, in step order, into buffers of their own while the
-        bytes held that way stay within ``allowance`` (``LoadTiming.gradient_ready``)."""
+        bytes held that way (and by speculated updates) stay within ``allowance``
+        (``LoadTiming.gradient_ready``)."""
+        held = self.table.early_bytes + (self.speculation.held_bytes if self.speculation is not None else 0)
         while self._next_early < len(self._early_order):
             i = self._early_order[self._next_early]
             if not self.table[i].on_device:
-                if self.table.early_bytes + self.layout.nbytes[i] > allowance:
+                if held + self.layout.nbytes[i] > allowance:
                     return  # asked again at the next gradient hook, when backward has freed more
                 self._load(i, slot=None, early=True)
+                held += self.layout.nbytes[i]
             self._next_early += 1
 
     def _prefetch_into_slots(self):

@@ -14,6 +14,7 @@ write-back), so a slot is refilled before its write-back read it, which parity m
 The device-memory policy is the CPU accelerator's (``synchronous``: no limits derived from memory).
 """
 
+import contextlib
 import time
 
 import torch
@@ -83,6 +84,12 @@ class DeferredCopies:
 
     def mark(self):
         return None  # the computation runs eagerly on the CPU: done when it is queued
+
+    def side(self):
+        return contextlib.nullcontext()  # the computation is eager: one stream of it
+
+    def join_side(self):
+        pass
 
     def compute_waits(self, event):
         self._complete(event)

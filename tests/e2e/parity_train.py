@@ -375,6 +375,9 @@ def train_with(spec):
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
     if spec.get("force_commit"):  # the negative control: updates from backward committed without the norm check
         deepspeed_offload.get_handle(engine).speculation.force_commit = True
+    speculation = getattr(deepspeed_offload.get_handle(engine), "speculation", None)
+    if spec.get("backoff") is not None and speculation is not None:
+        speculation.backoff.limit = spec["backoff"]  # 0: speculate at every step, each case's rollbacks as written
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]

@@ -25,18 +25,23 @@ CASES = {
     # commits from the second step on (the first creates Adam's state)
     "never_clips": dict(clip=HUGE),
     "no_clipping": dict(clip=None, extra_config={"gradient_clipping": 0.0}),  # (DeepSpeed's default is 1.0)
+    # with the default backoff: rollbacks at steps 2 and 4 (step 1 creates Adam's state), steps 3, 5
+    # and 6 back off
     "always_clips": dict(clip=TINY),
-    "clips_on_odd_steps": dict(clip=HUGE, clip_by_step=[HUGE, TINY]),
-    "gas2": dict(clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], gas=2),
+    # clipping fires at step 2 only: step 3 backs off, every step after it commits again
+    "backoff_resets": dict(clip=HUGE, clip_by_step=[HUGE, TINY, TINY, HUGE, HUGE, HUGE]),
+    # the cases below speculate at every step (backoff 0): rollbacks and commits side by side
+    "clips_on_odd_steps": dict(clip=HUGE, clip_by_step=[HUGE, TINY], backoff=0),
+    "gas2": dict(clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], gas=2, backoff=0),
     # several parameters per sub-group, reduced in small buckets (one parameter's gradient each): a
     # sub-group is final only once all of them are, over several reductions in backward
-    "few_large_sub_groups": dict(sub_group_size=1500, clip=HUGE, clip_by_step=[HUGE, TINY, HUGE],
+    "few_large_sub_groups": dict(sub_group_size=1500, clip=HUGE, clip_by_step=[HUGE, TINY, HUGE], backoff=0,
                                  extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1500,
                                                                      "reduce_bucket_size": 64}}),
     # a gradient edited with safe_set_full_grad between backward and the step voids the updates
     "gradient_written": dict(clip=HUGE, set_grad_at=[2, 4]),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
-    "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7),
+    "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7, backoff=0),
 }
 
 
@@ -44,7 +49,7 @@ def variants(case):
     spec = CASES[case]
     out = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=OFFLOAD)),
            ("deferred", dict(offload=OFFLOAD, copies="deferred"))]
-    if "clip_by_step" in spec:
+    if "clip_by_step" in spec and spec.get("backoff") == 0:
         out.append(("control", dict(offload=OFFLOAD, force_commit=True)))
     return out
 
@@ -75,8 +80,13 @@ def test_speculation_parity(tmp_path, case):
             assert all(s["sub_groups"] == 0 for s in per_step[3:]), per_step  # the step updated nothing itself
             assert any(side for side in c["current"]), c  # committed updates live in their second region
         elif case == "always_clips":
-            assert c["committed"] == 0 and c["discarded"] > 0 and c["rollback_steps"] == steps - 1, c
+            assert c["committed"] == 0 and c["discarded"] > 0, c
+            assert c["rollback_steps"] == 2 and c["backed_off"] == 3 and c["reasons"] == {"clipped": 2}, c
             assert all(side == 0 for side in c["current"]), c
+            assert [s["speculated"] > 0 for s in per_step] == [False, True, False, True, False, False], per_step
+        elif case == "backoff_resets":
+            assert c["rollback_steps"] == 1 and c["backed_off"] == 1 and c["commit_steps"] == 3, c
+            assert [s["committed"] > 0 for s in per_step] == [False, False, False, True, True, True], per_step
         elif case == "gradient_written":
             assert c["reasons"] == {"gradient written": 2} and c["committed"] > 0, c
         elif case == "fp16_scale_moves":
@@ -94,7 +104,7 @@ def test_speculation_parity(tmp_path, case):
 
 def run_on_gpus(tmp_path, optimizer, nprocs):
     """Plain ZeRO-3, speculation and its negative control on `nprocs` GPUs, one rank each."""
-    spec = dict(BASE, clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], steps=8, optimizer=optimizer, hidden=256)
+    spec = dict(BASE, clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], steps=8, optimizer=optimizer, hidden=256, backoff=0)
     offload = dict(OFFLOAD, overlap_memory_gb=1)  # a fixed cap: early loads (and updates) from the first step
     names = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=offload)),
              ("control", dict(offload=offload, force_commit=True))]
@@ -111,8 +121,9 @@ def run_on_gpus(tmp_path, optimizer, nprocs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["fused_adam", "torch_adamw"])
 def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
-    """On a GPU: the updates run on the compute stream in backward, after DeepSpeed's reduction stream
-    made the gradient final, and write back on the copy stream; 8 steps, clipping on every third."""
+    """On a GPU: the updates run on a side stream in backward, after DeepSpeed's reduction stream
+    made the gradient final and the state's load landed, and write back on the copy stream; 8 steps,
+    clipping on every third."""
     if gpus() < 1:
         pytest.skip("needs a CUDA GPU")
     run_on_gpus(tmp_path, optimizer, nprocs=1)

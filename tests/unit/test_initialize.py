@@ -345,7 +345,7 @@ def test_host_store_twins_flip_without_copying():
 
 def test_speculation_members_and_host_plan():
     """Members: a prefix from the last sub-group down (the first gradients to be final) that fits;
-    the host plan adds their second regions and 16-bit staging (14 bytes for 12 of state)."""
+    the host plan adds their second regions (12 bytes a parameter, like the store)."""
     from deepspeed_offload.estimate import host_plan, state_bytes_per_rank
     from deepspeed_offload.runtime.layout import fitting_prefix
     nbytes = {0: 100, 1: 100, 2: 50, 3: 50}.__getitem__
@@ -356,6 +356,6 @@ def test_speculation_members_and_host_plan():
     store = state_bytes_per_rank(params, 1)
     assert host_plan(params, 1, 1).store_per_rank == store
     plan = host_plan(params, 1, 1, speculate_gb=6)
-    assert plan.speculation_per_rank == 6 * gib * 14 // 12 and plan.store_per_rank == store + 6 * gib * 14 // 12
-    assert host_plan(params, 1, 1, speculate_gb=10**4).speculation_per_rank == store * 14 // 12  # at most the store
+    assert plan.speculation_per_rank == 6 * gib and plan.store_per_rank == store + 6 * gib
+    assert host_plan(params, 1, 1, speculate_gb=10**4).speculation_per_rank == store  # at most the store
     assert host_plan(params, 1, 1, speculate_gb=None).speculation_per_rank == 0  # null: what is spare, at attach
