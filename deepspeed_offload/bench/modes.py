@@ -210,4 +210,6 @@ def ds_config(mode, args):
     }
     if getattr(args, "gradient_clipping", None) is not None:
         cfg["gradient_clipping"] = args.gradient_clipping
+    if getattr(args, "reduce_bucket_size", None) is not None:
+        cfg["zero_optimization"]["reduce_bucket_size"] = args.reduce_bucket_size
     return _merge(cfg, mode.config)

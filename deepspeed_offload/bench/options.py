@@ -51,6 +51,9 @@ def build_parser(ap=None):
     ap.add_argument("--gradient-clipping", type=float, default=None,
                     help="gradient_clipping of every mode's ds_config (default: unset, DeepSpeed's 1.0); a tiny "
                     "value makes clipping fire at every step")
+    ap.add_argument("--reduce-bucket-size", type=int, default=None,
+                    help="zero_optimization.reduce_bucket_size of every mode (default: unset, DeepSpeed's 5e8 "
+                    "elements; HF's 'auto' fills in hidden_size**2)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bw-gib", type=int, default=2)

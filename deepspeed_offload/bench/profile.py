@@ -54,8 +54,9 @@ def _union(intervals):
 
 
 def summarize(trace):
-    """The last iteration of a Chrome trace from ``profiled``: each phase's span on the GPU (the
-    ``gpu_user_annotation`` of its range, else the CPU range) and, per stream, the seconds it was
+    """The last iteration of a Chrome trace from ``profiled``: each phase's span on the GPU (forward
+    and step: the ``gpu_user_annotation`` of their ranges, else the CPU ranges; backward: between
+    them) and, per stream, the seconds it was
     busy in each phase and after the step, and what it launched in this iteration: GB copied each
     way, seconds of kernels."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
@@ -73,8 +74,10 @@ def summarize(trace):
     phase = {p: max((s for s in found[p] if s[0] >= start), default=None) for p in PHASES}
     gpu = [e for e in events if e.get("cat") in GPU_CATS and e["ts"] + e["dur"] >= start]
     end = max([e["ts"] + e["dur"] for e in gpu] + [phase["step"][1]])
-    windows = dict(phase)
-    windows["after_step"] = (phase["step"][1], end)
+    # Backward's kernels come from autograd's device thread, outside the main thread's range: its
+    # window is what lies between forward's end and the step's start.
+    windows = {"forward": phase["forward"], "backward": (phase["forward"][1], phase["step"][0]),
+               "step": phase["step"], "after_step": (phase["step"][1], end)}
     streams = {}
     for e in gpu:
         sid = (e.get("args") or {}).get("stream", e.get("tid"))

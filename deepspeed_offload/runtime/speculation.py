@@ -31,6 +31,7 @@ layers). DeepSpeed's per-sub-group calls that a commit replaces (``unscale_and_c
 installed by the stream mode's patch registry.
 """
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List
 
@@ -335,8 +336,17 @@ class Speculation:
         self._final = []
 
     def log_attach(self):
-        if self.members:
-            log_dist(f"[deepspeed-offload] speculation: {self.describe()}", ranks=[0])
+        if not self.members:
+            return
+        log_dist(f"[deepspeed-offload] speculation: {self.describe()}", ranks=[0])
+        bucket = getattr(self.opt, "reduce_bucket_size", 0)
+        largest = max(self.opt.fp32_partitioned_groups_flat[i].numel() for i in self.members)
+        if bucket > 4 * largest:
+            # WARNING, like DeepSpeed's own advice on its settings: it costs speed, not correctness
+            log_dist(f"[deepspeed-offload] speculation: zero_optimization.reduce_bucket_size is {bucket:,} "
+                     f"elements, {bucket // max(largest, 1)} sub-groups' worth: gradients become final a bucket at "
+                     "a time, so updates start late in backward; a smaller bucket (HF's 'auto' fills in "
+                     "hidden_size**2) lets them start sooner", ranks=[0], level=logging.WARNING)
 
 
 def _small_state(state: dict, stored) -> Dict[str, object]:

@@ -61,6 +61,9 @@ def test_every_mode_has_a_config_and_a_baseline():
                       "compile_offload@8": 8.0, "compile_offload@default": None}
     assert "gradient_clipping" not in config("resident", args)  # DeepSpeed's default unless asked
     assert config("stream_speculate", parse("--gradient-clipping", "1e-9"))["gradient_clipping"] == 1e-9
+    assert config("resident", parse("--reduce-bucket-size", "4194304"))["zero_optimization"] == {
+        "stage": 3, "reduce_bucket_size": 4194304}
+    assert config("stream_speculate", parse("--reduce-bucket-size", "99"))["zero_optimization"]["reduce_bucket_size"] == 99
     assert "optimizer_state_offload" not in config("dc_offload_opt_states", args)
     assert config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
 
