@@ -378,6 +378,20 @@ def train_with(spec):
     speculation = getattr(deepspeed_offload.get_handle(engine), "speculation", None)
     if spec.get("backoff") is not None and speculation is not None:
         speculation.backoff.limit = spec["backoff"]  # 0: speculate at every step, each case's rollbacks as written
+    if spec.get("early_cap_share") and speculation is not None:
+        # early loads within a cap, a share of all the offloaded state: what they hold plus the 16-bit casts the
+        # updates keep until the step must stay within it (the peak guarantee's bookkeeping)
+        handle = deepspeed_offload.get_handle(engine)
+        handle.timing.early_cap = int(spec["early_cap_share"] * sum(handle.layout.nbytes[i] for i in handle.order))
+        load_early = handle._load_early
+
+        def watched(allowance):
+            load_early(allowance)
+            held = handle.table.early_bytes + speculation.held_bytes
+            result_extra["early_held_max"] = max(result_extra.get("early_held_max", 0), held)
+            result_extra["early_cap"] = handle.timing.early_cap
+
+        handle._load_early = watched
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]

@@ -38,6 +38,11 @@ CASES = {
     "few_large_sub_groups": dict(sub_group_size=1500, clip=HUGE, clip_by_step=[HUGE, TINY, HUGE], backoff=0,
                                  extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1500,
                                                                      "reduce_bucket_size": 64}}),
+    # early loads capped at half the offloaded state, gradients final one small bucket at a time (updates
+    # all through backward): the loaded state and the 16-bit casts kept for the commit stay within
+    # the cap together
+    "early_cap": dict(clip=HUGE, early_cap_share=0.5,
+                      extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1, "reduce_bucket_size": 64}}),
     # a gradient edited with safe_set_full_grad between backward and the step voids the updates
     "gradient_written": dict(clip=HUGE, set_grad_at=[2, 4]),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
@@ -87,6 +92,10 @@ def test_speculation_parity(tmp_path, case):
         elif case == "backoff_resets":
             assert c["rollback_steps"] == 1 and c["backed_off"] == 1 and c["commit_steps"] == 3, c
             assert [s["committed"] > 0 for s in per_step] == [False, False, False, True, True, True], per_step
+        elif case == "early_cap":
+            assert c["committed"] > 0 and c["discarded"] == 0, c
+            cap, held = ours["early_cap"], ours["early_held_max"]
+            assert cap - max(ours["handle"]["nbytes"]) < held <= cap, (held, cap)  # the cap bound, and was reached
         elif case == "gradient_written":
             assert c["reasons"] == {"gradient written": 2} and c["committed"] > 0, c
         elif case == "fp16_scale_moves":
