@@ -78,7 +78,8 @@ class Counters:
 class Backoff:
     """Where rollbacks repeat (clipping fires every step), speculating costs a step that reloads
     everything it wrote back in backward. After ``n`` rollbacks in a row, the next
-    ``min(2**(n-1), limit)`` boundary backwards run today's path; then one speculates again."""
+    ``min(2**(n-1), limit)`` boundary backwards run today's path; then one speculates again (at
+    the limit, one boundary backward in ``limit + 1``)."""
     limit: int = MAX_BACKOFF  # (0: speculate at every step, whatever happened before)
     skip_next: int = 0  # boundary backwards left that do not speculate
     length: int = 0  # the skip after the last rollback
