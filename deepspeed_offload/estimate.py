@@ -9,6 +9,8 @@ from .host_memory import HostPlan, local_ranks
 
 # Adam's fp32 master weight plus its two moments: what one parameter costs in the host store.
 STATE_BYTES_PER_PARAM = 12
+
+
 def speculation_bytes(offloaded: int, speculate_gb: Optional[float]) -> int:
     """Host memory per rank that ``speculate_memory_gb`` adds to a store of ``offloaded`` bytes: the
     second regions it allows, at most the store (null: what is spare, 0 here)."""

@@ -97,6 +97,8 @@ class AsyncCopies:
         # The allocator may hand out blocks the compute stream's queued work still reads: a copy
         # into them waits for the event returned here. record_stream: when these buffers are
         # dropped, the blocks are not reused before the copy streams' work queued by then is done.
+        # Work on the side stream that uses them (a speculated update) is covered because their
+        # write-back, queued before they are dropped, waits for it.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
         for buf in bufs.values():
@@ -137,6 +139,7 @@ class AsyncCopies:
         self.acc.current_stream().wait_stream(self.side_stream)
 
     def compute_waits(self, event) -> None:
+        # (the current stream: the compute stream, or the side stream inside ``side()``)
         if event is not None:
             self.acc.current_stream().wait_event(event)
 

@@ -16,8 +16,9 @@ are the only callers of ``move``; each verb decides what its copy waits for:
 
 - a load waits for the sub-group's own previous write-back, and for its destination: the slot's
   last write-back, or (buffers of its own) the compute work queued before they were allocated;
-- ``arrive``: the compute stream waits for the load;
-- a write-back waits for the update (an event on the compute stream: no host wait);
+- ``arrive``: the stream that will update it waits for the load (the compute stream; a speculated
+  update's side stream, ``speculation.py``);
+- a write-back waits for the update (an event on the stream that updated it: no host wait);
 - ``drain``: the CPU waits for every write-back (before anything on the CPU reads host state).
 
 Buffers of a sub-group's own are allocated with ``record_stream`` on both copy streams: dropped
@@ -141,7 +142,8 @@ class ResidencyTable:
         return self.store_bytes(i), span
 
     def arrive(self, i: int):
-        """The compute stream waits for ``i``'s load; the step may now read and update it. A
+        """The current stream (the compute stream, or the side stream of a speculated update) waits
+        for ``i``'s load; the step may now read and update it. A
         sub-group still UPDATED in buffers of its own (kept there since the last step) is the
         newest copy already: the step updates it again where it is."""
         r = self.of[i]

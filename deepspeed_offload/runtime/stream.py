@@ -349,7 +349,8 @@ class StreamMode:
     # ------------------------------------------------------------------ backward: loads ahead of the step
 
     def _load_early(self, allowance: float):
-        """Load the next offloaded sub-groups, in step order, into buffers of their own while the
+        """Load the next offloaded sub-groups, in ``_early_order`` (step order; speculation's members
+        first when it speculates), into buffers of their own while the
         bytes held that way (and by speculated updates) stay within ``allowance``
         (``LoadTiming.gradient_ready``)."""
         held = self.table.early_bytes + (self.speculation.held_bytes if self.speculation is not None else 0)
