@@ -96,14 +96,16 @@ class AsyncCopies:
         # On the compute stream, so the blocks come from (and go back to) the pool activations use.
         # The allocator may hand out blocks the compute stream's queued work still reads: a copy
         # into them waits for the event returned here. record_stream: when these buffers are
-        # dropped, the blocks are not reused before the copy streams' work queued by then is done.
-        # Work on the side stream that uses them (a speculated update) is covered because their
-        # write-back, queued before they are dropped, waits for it.
+        # dropped, the blocks are not reused before the copy streams' and the side stream's work
+        # queued by then is done (a speculated update may be dropped half done: out of memory).
+        # Work for the side stream allocates here too: its own pool would hold the blocks for it
+        # alone, and the compute stream's next forward could not reuse them.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
         for buf in bufs.values():
             buf.record_stream(self.h2d_stream)
             buf.record_stream(self.d2h_stream)
+            buf.record_stream(self.side_stream)
         return bufs, self._event(self.acc.current_stream())
 
     def _wait(self, stream, waits):

@@ -193,31 +193,43 @@ class Speculation:
             mode._guard()  # an async checkpoint may still read the region this writes
             self._guarded = True
         group = self.base.param_groups[opt.sub_group_to_group_id[i]]
-        with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
-            state_before = _small_state(state, store.slices[i])  # (a tensor among them: copied on this stream)
-            group_before = _group_entries(group)
-            try:
+        lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
+        # A device tensor among Adam's small state or the group's entries (a capturable step, a
+        # tensor learning rate) may have been written on the compute stream: the snapshot waits.
+        queued = mode.copies.mark() if _on_device(state, group) else None
+        state_before = group_before = None
+        try:
+            # From the compute stream's pool (``copies.alloc``), for work on the side stream.
+            grad, _ = mode.copies.alloc({master.dtype: master.numel()})
+            cast, ready = mode.copies.alloc({lp_dtype: master.numel()})
+            lp = cast[lp_dtype]
+            with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
                 table.arrive(i)
                 mode.copies.compute_waits(self._final_event.pop(i, None))
+                mode.copies.compute_waits(ready)  # the compute stream's last use of both blocks
+                mode.copies.compute_waits(queued)
+                state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
                 mode.tensors.point_at(i, lambda key: table.view(i, key))
-                master.grad = self._fp32_grad(i)
+                master.grad = self._fp32_grad(i, grad[master.dtype])
                 # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
                 # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
                 master.grad.mul_(1. / opt.loss_scale)
                 opt._optimizer_step(i)
                 master.grad = None
-                lp = torch.empty_like(opt.fp16_partitioned_groups_flat[i])
                 lp.copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
                 state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
-            except BaseException:
+                table.mark_updated(i)
+        except BaseException:
+            if table[i].on_device:
                 table.release(i)  # its device copy may be half updated: the step loads it again
-                raise
-            finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
-                master.grad = None
-                _restore_state(state, state_before)
-                _restore_group(group, group_before)
-                mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
-            table.mark_updated(i)
+            raise
+        finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
+            master.grad = None
+            if state_before is not None:
+                with mode.copies.side():
+                    _restore_state(state, state_before)
+                    _restore_group(group, group_before)
+            mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
         nbytes, span = table.write_back(i, other=True)
         if mode.stats is not None:
             mode.stats.bytes_d2h += nbytes
@@ -226,14 +238,21 @@ class Speculation:
         self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp)
         self.counters.speculated += 1
 
-    def _fp32_grad(self, i: int) -> torch.Tensor:
-        """The sub-group's flat fp32 gradient, built as ``_prepare_fp32_grad_for_sub_group`` builds it
-        from the partitions the epilogue will list (zeros for a frozen parameter)."""
-        opt = self.opt
-        partitions = getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
-        grads = [partitions[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor)
-                 for p in opt.fp16_groups[i]]
-        return opt.flatten(grads).to(opt.fp32_partitioned_groups_flat[i].dtype)
+    def _fp32_grad(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """The sub-group's flat fp32 gradient, in ``out``: what ``_prepare_fp32_grad_for_sub_group``
+        builds (the partitions the epilogue will list, flattened, zeros for a frozen parameter,
+        widened to fp32: exact, so widening each slice is bitwise the same)."""
+        partitions = getattr(self.opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
+        offset = 0
+        for p in self.opt.fp16_groups[i]:
+            n = p.ds_tensor.numel()
+            if p.requires_grad:
+                out.narrow(0, offset, n).copy_(partitions[p.ds_id].view(-1))
+            else:
+                out.narrow(0, offset, n).zero_()
+            offset += n
+        assert offset == out.numel(), f"deepspeed-offload: sub-group {i}: {offset} gradient elements for {out.numel()}"
+        return out
 
     # ------------------------------------------------------------------ the step
 
@@ -323,7 +342,9 @@ class Speculation:
         self.committing = {}
 
     def discard_all(self, why: str):
-        """Drop every update not committed (``why``: counted): the current regions were never written."""
+        """Drop every update not committed (``why``: counted): the current regions were never written.
+        The current stream waits for the side stream (a step that raised may have queued commits' copies there)."""
+        self.mode.copies.join_side()
         if self.updated:
             self.counters.discarded += len(self.updated)
             self.counters.rollback_steps += 1
@@ -348,6 +369,12 @@ class Speculation:
                      f"elements, {bucket // max(largest, 1)} sub-groups' worth: gradients become final a bucket at "
                      "a time, so updates start late in backward; a smaller bucket (HF's 'auto' fills in "
                      "hidden_size**2) lets them start sooner", ranks=[0], level=logging.WARNING)
+
+
+def _on_device(state: dict, group: dict) -> bool:
+    """A tensor off the CPU among the optimizer's state entries or the group's (but ``params``)."""
+    return any(torch.is_tensor(v) and v.device.type != "cpu"
+               for v in [*state.values(), *(v for k, v in group.items() if k != "params")])
 
 
 def _small_state(state: dict, stored) -> Dict[str, object]:

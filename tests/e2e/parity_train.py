@@ -378,6 +378,21 @@ def train_with(spec):
     speculation = getattr(deepspeed_offload.get_handle(engine), "speculation", None)
     if spec.get("backoff") is not None and speculation is not None:
         speculation.backoff.limit = spec["backoff"]  # 0: speculate at every step, each case's rollbacks as written
+    if spec.get("slow_side_cycles") and speculation is not None:
+        # the side stream held up at every use (a sleep kernel queued first), so that a missing
+        # wait between it and the compute stream shows as a wrong result, not as luck
+        copies = deepspeed_offload.get_handle(engine).copies
+        side = copies.side
+
+        @contextlib.contextmanager
+        def slow_side():
+            with side():
+                torch.cuda._sleep(int(spec["slow_side_cycles"]))
+                yield
+
+        copies.side = slow_side
+        if spec.get("no_join"):  # the negative control: the compute stream never waits for the side stream
+            copies.join_side = lambda: None
     if spec.get("early_cap_share") and speculation is not None:
         # early loads within a cap, a share of all the offloaded state: what they hold plus the 16-bit casts the
         # updates keep until the step must stay within it (the peak guarantee's bookkeeping)

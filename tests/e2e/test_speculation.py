@@ -138,6 +138,29 @@ def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
     run_on_gpus(tmp_path, optimizer, nprocs=1)
 
 
+@pytest.mark.gpu
+def test_speculation_slow_side_stream_gpu(tmp_path):
+    """The waits between the side stream and the compute stream, each held up: a sleep kernel first
+    on the side stream at every use (about 5 ms), so the updates, the casts and the commits' copies
+    finish long after the CPU moved on. Still bitwise; and with the compute stream's waits for the
+    side stream removed (the negative control), the next forward reads 16-bit partitions the
+    commits have not copied yet, and parity breaks."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    spec = dict(BASE, clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], steps=6, hidden=256, backoff=0,
+                slow_side_cycles=10_000_000)
+    offload = dict(OFFLOAD, overlap_memory_gb=1)
+    names = [("plain", dict(api="deepspeed", offload=None)), ("slow", dict(offload=offload)),
+             ("no_join", dict(offload=offload, no_join=True))]
+    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, "slow_side", nprocs=1, timeout=600)
+    plain, slow, no_join = out["variants"]
+    assert_bitwise_equal(plain, slow)
+    c = slow["handle"]["speculation"]
+    assert c["committed"] > 0 and c["discarded"] > 0, c
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(plain, no_join)
+
+
 @pytest.mark.gpu2
 def test_speculation_parity_gpu_two_ranks(tmp_path):
     """Two GPUs: the gradient norm is all-reduced over NCCL, and each rank commits or discards alike."""
