@@ -267,8 +267,8 @@ class Speculation:
         if not self.updated:
             return
         opt = self.opt
-        why = None
-        if any(s.loss_scale != float(opt.loss_scale) for s in self.updated.values()):
+        why, scale = None, float(opt.loss_scale)
+        if any(s.loss_scale != scale for s in self.updated.values()):
             why = "loss scale"
         elif not all(_same_entries(_group_entries(self.base.param_groups[opt.sub_group_to_group_id[i]]),
                                    s.group_before) for i, s in self.updated.items()):

@@ -280,11 +280,7 @@ class StreamMode:
 
         def gradient_ready(param):
             result = orig(param)
-            allowance = self.timing.gradient_ready()
-            if allowance is not None and self._next_early < len(self._early_order) and not self._in_step:
-                self._load_early(allowance)
-            if self.speculation is not None and not self._in_step:
-                self.speculation.run()
+            self._gradients_final(self.timing.gradient_ready())
             return result
 
         return gradient_ready
@@ -303,14 +299,20 @@ class StreamMode:
 
         def epilogue(*args, **kwargs):
             result = orig(*args, **kwargs)  # the last buckets' gradients are final now
-            if not self._in_step:
-                allowance = self.timing.allowance()
-                if allowance is not None:
-                    self._load_early(allowance)
-                self.speculation.run()
+            self._gradients_final(self.timing.allowance())
             return result
 
         return epilogue
+
+    def _gradients_final(self, allowance: Optional[float]):
+        """In backward, after a gradient hook or the epilogue: load early as ``allowance`` allows,
+        then update what speculation found final and loaded."""
+        if self._in_step:
+            return
+        if allowance is not None and self._next_early < len(self._early_order):
+            self._load_early(allowance)
+        if self.speculation is not None:
+            self.speculation.run()
 
     def _wrap_step(self, orig):
 
@@ -418,9 +420,8 @@ class StreamMode:
         self._load(i, slot=k % 2, early=False)
 
     def _bring_in(self, i):
-        """Before DeepSpeed prepares sub-group ``i``: its state on the device, its tensors on it."""
-        if not self._in_step:
-            self._begin_step()
+        """Before DeepSpeed prepares sub-group ``i`` (the step has begun): its state on the device,
+        its tensors on it."""
         if i in self._position:
             self._load_into_slot(self._position[i])  # normally done already, by the previous sub-group
         before = self.copies.clock()
