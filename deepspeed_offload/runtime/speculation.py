@@ -316,8 +316,8 @@ class Speculation:
     def wrap_reassign(self, orig):
         """``_reassign_or_swap_out_partitioned_parameters``: a committed sub-group's 16-bit partition
         comes from the cast computed in backward, not from its master. Copied on the side stream,
-        where the cast was made (its memory goes back to that stream's pool), after what the compute
-        stream queued so far; ``step_ends`` makes the compute stream wait for it."""
+        after what the compute stream queued so far (the step's own use of the partition);
+        ``step_ends`` makes the compute stream wait for it."""
 
         def reassign(sub_group_id, *args, **kwargs):
             if sub_group_id not in self.committing:

@@ -67,6 +67,10 @@ def ds_config(spec):
         "zero_optimization": {"stage": 3, "sub_group_size": spec.get("sub_group_size", 1_000_000_000)},
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the whole device at every
+        # forward, which would order the side and copy streams before each step for us: off, so the
+        # waits deepspeed-offload queues are the only ones, and the ones tested
+        "timers": {"throughput": {"enabled": False}},
     }
     if spec.get("sub_group_size") is None:
         del cfg["zero_optimization"]["sub_group_size"]
@@ -391,8 +395,10 @@ def train_with(spec):
                 yield
 
         copies.side = slow_side
-        if spec.get("no_join"):  # the negative control: the compute stream never waits for the side stream
-            copies.join_side = lambda: None
+        if spec.get("no_step_end_join"):
+            # the negative control: the next forward does not wait for the commits' copies of the
+            # kept 16-bit casts into DeepSpeed's partitions (step_ends without its join)
+            speculation.step_ends = lambda: setattr(speculation, "committing", {})
     if spec.get("early_cap_share") and speculation is not None:
         # early loads within a cap, a share of all the offloaded state: what they hold plus the 16-bit casts the
         # updates keep until the step must stay within it (the peak guarantee's bookkeeping)
