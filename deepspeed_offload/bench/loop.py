@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 GiB = 2**30
+SPECULATION_COUNTS = ("speculated", "committed", "discarded")  # per iteration, with speculation on
 
 
 def spread(values):
@@ -73,7 +74,18 @@ class Loop:
         return {"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0, "peak_step_GiB": peak_step / GiB,
                 "peak_fwd_bwd_GiB": peak_fwd_bwd / GiB, "peak_iter_GiB": max(peak_fwd_bwd, peak_step) / GiB,
                 "peak_reserved_GiB": reserved / GiB,
-                "between_GiB": acc.memory_allocated() / GiB, "loss": loss.detach().float().item()}
+                "between_GiB": acc.memory_allocated() / GiB, "loss": loss.detach().float().item(),
+                **self._speculation_counts()}
+
+    def _speculation_counts(self):
+        """With speculation on: what this iteration's step did with the updates from its backward
+        (sub-groups speculated, committed, discarded), so its time can be told apart from the others'."""
+        from ..handle import get_handle
+        handle = get_handle(self.engine)
+        if getattr(handle, "speculation", None) is None:
+            return {}
+        stats = handle.step_stats() or {}
+        return {k: stats.get(k, 0) for k in SPECULATION_COUNTS}
 
     def pipelined(self, iters):
         """``iters`` iterations with no synchronization between them (copies may overlap the next

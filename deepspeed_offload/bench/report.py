@@ -147,6 +147,13 @@ def _overhead_line(mode, r, settings):
             f"last step {r.get('last_step')}; counters {r.get('counters')}")
 
 
+def _speculation_line(mode, split):
+    """How many measured iterations committed, rolled back or did not speculate, and their medians."""
+    parts = [f"{v['iters']} {kind.replace('_', ' ')}" + (f" ({v['iter_s']:.3f} s)" if v["iters"] else "")
+             for kind, v in split.items()]
+    return f"{mode}: iterations by speculation (median s): " + ", ".join(parts)
+
+
 def _host_line(mode, host):
     store = host["store_bytes_per_node"]
     return (f"{mode}: host per node ({host['ranks_per_node']} ranks): store "
@@ -195,6 +202,7 @@ def report(summary):
     lines += [f"{mode}: out of memory: {r['error']}" for mode, r in results.items() if r.get("oom")]
     lines += [_overhead_line(mode, r, settings) for mode, r in results.items() if "overhead_s" in r]
     lines += list(filter(None, (_startup_line(mode, r) for mode, r in results.items())))
+    lines += [_speculation_line(mode, r["by_speculation"]) for mode, r in results.items() if r.get("by_speculation")]
     lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
     lines += [_colocation_line(mode, r) for mode, r in results.items() if "colocate_offload_s" in r]
     ck = results.get("checkpoint", {})

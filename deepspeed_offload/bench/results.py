@@ -7,20 +7,34 @@ import statistics
 import torch
 
 from ..estimate import estimate
-from .loop import GiB, spread
+from .loop import GiB, SPECULATION_COUNTS, spread
 
 
 def from_rows(rows):
     """The measured iterations' medians, with the spread of the times and the worst peaks (what must
-    fit); every row under ``per_iter``."""
-    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    fit); every row under ``per_iter``; with speculation on, the iterations split by what their step
+    did with the updates from backward (``by_speculation``)."""
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in SPECULATION_COUNTS}
     for k in ("iter_s", "step_s", "fwd_bwd_s"):
         s = spread([r[k] for r in rows])
         out[k + "_min"], out[k + "_max"] = s["min"], s["max"]
     for k in ("peak_iter_GiB", "peak_reserved_GiB"):
         out[k] = max(r[k] for r in rows)
+    if "speculated" in rows[0]:
+        out["by_speculation"] = by_speculation(rows)
     out["per_iter"] = rows
     return out
+
+
+def by_speculation(rows):
+    """Iterations whose step committed the updates from backward, rolled them back, or had none
+    (a backward that did not speculate runs today's path): how many, and their median times."""
+    kinds = {"committed": [r for r in rows if r["committed"]],
+             "rolled_back": [r for r in rows if r["discarded"] and not r["committed"]],
+             "not_speculating": [r for r in rows if not r["speculated"]]}
+    return {kind: {"iters": len(rs), **({k: statistics.median(r[k] for r in rs) for k in ("iter_s", "fwd_bwd_s", "step_s")}
+                                        if rs else {})}
+            for kind, rs in kinds.items()}
 
 
 def handle_stats(handle, engine, between_GiB):

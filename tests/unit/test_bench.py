@@ -571,6 +571,36 @@ def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind)
     assert "per_iter" in committed and committed - later - set(results[0]) == set()
 
 
+def test_the_worker_splits_iterations_by_what_speculation_did(tmp_path, no_shm_left_behind):
+    """stream_speculate on the CPU, twice at once: clipping off, every step after the first commits
+    what its backward updated (the first has no Adam state to speculate on); clipping at every step,
+    the backoff (steps counted from 1, the warm-up's first) speculates at steps 2 and 4 (each rolled
+    back) and not at 3 and 5. Each measured iteration carries its step's counts, and the split gives
+    the medians of each kind."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    commits = start_worker(tmp_path / "a", [sys.executable], "stream_speculate", "--iters", "4",
+                           "--gradient-clipping", "0")
+    clips = start_worker(tmp_path / "b", [sys.executable], "stream_speculate", "--iters", "4",
+                         "--gradient-clipping", "1e-9")
+    commits, clips = finish_worker(*commits), finish_worker(*clips)
+    members = commits["speculation"]["members"]
+    assert members > 1 and clips["speculation"]["members"] == members
+    assert [(r["speculated"], r["committed"], r["discarded"]) for r in commits["per_iter"]] == [(members, members, 0)] * 4
+    assert [(r["speculated"], r["committed"], r["discarded"]) for r in clips["per_iter"]] == \
+        [(members, 0, members), (0, 0, 0)] * 2
+    assert {k: v["iters"] for k, v in commits["by_speculation"].items()} == \
+        {"committed": 4, "rolled_back": 0, "not_speculating": 0}
+    split = clips["by_speculation"]
+    assert {k: v["iters"] for k, v in split.items()} == {"committed": 0, "rolled_back": 2, "not_speculating": 2}
+    times = [r["iter_s"] for r in clips["per_iter"]]
+    assert split["rolled_back"]["iter_s"] == pytest.approx((times[0] + times[2]) / 2)
+    assert split["not_speculating"]["iter_s"] == pytest.approx((times[1] + times[3]) / 2)
+    assert "speculated" not in clips and "committed" not in clips  # counts are not medians
+    line = reporting.report({"results": {"stream_speculate": clips}})
+    assert "stream_speculate: iterations by speculation (median s): 0 committed, 2 rolled back (" in line
+
+
 def test_a_worker_out_of_gpu_memory_writes_its_record(tmp_path, monkeypatch):
     """The worker records running out of GPU memory (however wrapped) as its result, with what it
     knew by then, and exits with OOM_EXIT; any other error is not a result."""
