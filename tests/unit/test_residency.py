@@ -284,7 +284,7 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
     wait keeps the next load into slot 0 from overwriting it before that D2H has read it. (On the
     H200, 2026-11-29, a delay on the compute stream before the update did not open the window: the
     control's load still landed after the write-back, for a reason not found; a held-back D2H
-    opens it, as in the test above. This version has not run on a GPU yet.)"""
+    opens it, as in the test above.)"""
     t = _gpu_table()
     if control:
         _without_waits(t)
@@ -307,7 +307,7 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
 @pytest.mark.parametrize("control", [False, True], ids=["waits", "control_without_the_update_wait"])
 def test_gpu_a_write_back_waits_for_the_update(control):
     """The update is held back on the compute stream: only the write-back's wait on it keeps the
-    D2H from copying the values from before the update. (Not run on a GPU yet.)"""
+    D2H from copying the values from before the update."""
     t = _gpu_table()
     if control:
         real = t.copies.d2h
