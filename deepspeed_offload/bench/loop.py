@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..handle import get_handle
+
 GiB = 2**30
 SPECULATION_COUNTS = ("speculated", "committed", "discarded")  # per iteration, with speculation on
 
@@ -80,7 +82,6 @@ class Loop:
     def _speculation_counts(self):
         """With speculation on: what this iteration's step did with the updates from its backward
         (sub-groups speculated, committed, discarded), so its time can be told apart from the others'."""
-        from ..handle import get_handle
         handle = get_handle(self.engine)
         if getattr(handle, "speculation", None) is None:
             return {}
