@@ -200,8 +200,8 @@ class Speculation:
         state_before = group_before = None
         try:
             # From the compute stream's pool (``copies.alloc``), for work on the side stream.
-            grad, _ = mode.copies.alloc({master.dtype: master.numel()})
-            cast, ready = mode.copies.alloc({lp_dtype: master.numel()})
+            grad, _ = mode.copies.alloc({master.dtype: master.numel()}, side_only=True)
+            cast, ready = mode.copies.alloc({lp_dtype: master.numel()}, side_only=True)
             lp = cast[lp_dtype]
             with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
                 table.arrive(i)
