@@ -35,8 +35,9 @@ class SyncCopies:
     def __init__(self, acc=None):
         self.acc = acc or get_accelerator()
 
-    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
-        """Device buffers; and what a copy into them must wait for (None: nothing)."""
+    def alloc(self, numel: Dict[torch.dtype, int], side_only: bool = False) -> Tuple[Buffers, object]:
+        """Device buffers (``side_only``: used by the side stream alone, never copied to or from the
+        host); and what a copy into them must wait for (None: nothing)."""
         device = self.acc.current_device_name()
         return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}, None
 
@@ -92,20 +93,22 @@ class AsyncCopies:
         ev.record(stream)
         return ev
 
-    def alloc(self, numel: Dict[torch.dtype, int]) -> Tuple[Buffers, object]:
+    def alloc(self, numel: Dict[torch.dtype, int], side_only: bool = False) -> Tuple[Buffers, object]:
         # On the compute stream, so the blocks come from (and go back to) the pool activations use.
         # The allocator may hand out blocks the compute stream's queued work still reads: a copy
         # into them waits for the event returned here. record_stream: when these buffers are
-        # dropped, the blocks are not reused before the copy streams' and the side stream's work
-        # queued by then is done (a speculated update may be dropped half done: out of memory).
-        # Work for the side stream allocates here too: its own pool would hold the blocks for it
-        # alone, and the compute stream's next forward could not reuse them.
+        # dropped, the blocks are not reused before the work queued by then on the streams that
+        # use them is done (a speculated update may be dropped half done: out of memory). Work for
+        # the side stream allocates here too: its own pool would hold the blocks for it alone, and
+        # the compute stream's next forward could not reuse them. ``side_only`` buffers (an
+        # update's fp32 gradient and 16-bit cast) are recorded on the side stream alone, so that
+        # their blocks do not wait for the write-backs queued on the D2H stream.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
+        streams = (self.side_stream, ) if side_only else (self.h2d_stream, self.d2h_stream, self.side_stream)
         for buf in bufs.values():
-            buf.record_stream(self.h2d_stream)
-            buf.record_stream(self.d2h_stream)
-            buf.record_stream(self.side_stream)
+            for stream in streams:
+                buf.record_stream(stream)
         return bufs, self._event(self.acc.current_stream())
 
     def _wait(self, stream, waits):

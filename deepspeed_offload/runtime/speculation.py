@@ -199,10 +199,10 @@ class Speculation:
         queued = mode.copies.mark() if _on_device(state, group) else None
         state_before = group_before = None
         try:
-            # From the compute stream's pool (``copies.alloc``), for work on the side stream.
-            grad, _ = mode.copies.alloc({master.dtype: master.numel()})
-            cast, ready = mode.copies.alloc({lp_dtype: master.numel()})
-            lp = cast[lp_dtype]
+            # From the compute stream's pool (``copies.alloc``), for work on the side stream: the fp32
+            # gradient and the 16-bit cast (two dtypes: fp32 parameters never speculate, ``stream.py``).
+            bufs, ready = mode.copies.alloc({master.dtype: master.numel(), lp_dtype: master.numel()}, side_only=True)
+            lp = bufs[lp_dtype]
             with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
                 table.arrive(i)
                 mode.copies.compute_waits(self._final_event.pop(i, None))
@@ -210,7 +210,7 @@ class Speculation:
                 mode.copies.compute_waits(queued)
                 state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
                 mode.tensors.point_at(i, lambda key: table.view(i, key))
-                master.grad = self._fp32_grad(i, grad[master.dtype])
+                master.grad = self._fp32_grad(i, bufs[master.dtype])
                 # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
                 # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
                 master.grad.mul_(1. / opt.loss_scale)

@@ -322,6 +322,36 @@ def test_gpu_a_write_back_waits_for_the_update(control):
                                    "the write-back copied the state from before the update")
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("side_only", [True, False], ids=["side_only", "control_every_stream"])
+def test_gpu_a_side_only_buffer_does_not_wait_for_the_write_backs(side_only):
+    """While the D2H stream is busy (write-backs queued), a dropped ``side_only`` buffer (an update's
+    fp32 gradient or 16-bit cast) goes back to the allocator as soon as the side stream is done with
+    it, so the next allocation of its size reuses the block; a buffer recorded on every stream (the
+    control) waits for the D2H stream, and the allocator hands out another block."""
+    from deepspeed_offload.runtime.copies import AsyncCopies
+    copies = AsyncCopies()
+    numel = {torch.float32: 1 << 22}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no other cached block for the allocator to pick
+    with torch.cuda.stream(copies.d2h_stream):
+        torch.cuda._sleep(SPIN)  # write-backs still queued when the buffer is dropped
+    bufs, ready = copies.alloc(numel, side_only=side_only)
+    ptr = bufs[torch.float32].data_ptr()
+    with copies.side():
+        copies.compute_waits(ready)
+        bufs[torch.float32].fill_(1.0)
+    copies.join_side()
+    torch.cuda.current_stream().synchronize()  # the side stream's use is over; the D2H stream's sleep is not
+    del bufs
+    again, _ = copies.alloc(numel, side_only=side_only)
+    reused = again[torch.float32].data_ptr() == ptr
+    torch.cuda.synchronize()
+    assert reused == side_only, ("the block waited for the D2H stream" if side_only else
+                                 "the control's block was reused while the D2H stream could still use it")
+
+
 def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
     """A load may start before the sub-group's last write-back landed (the copy waits for it on the
     device): a CPU reader draining then must still wait for that write-back."""
