@@ -24,6 +24,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 Buffers = Dict[torch.dtype, torch.Tensor]
+# Which streams use a device buffer (``alloc``'s ``used_by``): the copy streams and the side stream;
+# the side stream alone; the side stream alone, and dropped only after ``join_side``.
+COPIES, SIDE, JOINED = "copies", "side", "joined"
 Span = Optional[Tuple[object, object]]  # two clock tokens, resolved by ``elapsed``
 
 
@@ -35,9 +38,9 @@ class SyncCopies:
     def __init__(self, acc=None):
         self.acc = acc or get_accelerator()
 
-    def alloc(self, numel: Dict[torch.dtype, int], side_only: bool = False) -> Tuple[Buffers, object]:
-        """Device buffers (``side_only``: used by the side stream alone, never copied to or from the
-        host); and what a copy into them must wait for (None: nothing)."""
+    def alloc(self, numel: Dict[torch.dtype, int], used_by: str = COPIES) -> Tuple[Buffers, object]:
+        """Device buffers, and what a copy into them must wait for (None: nothing). ``used_by``: the
+        streams that will use them (``COPIES``, ``SIDE`` or ``JOINED``, see ``AsyncCopies.alloc``)."""
         device = self.acc.current_device_name()
         return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}, None
 
@@ -93,19 +96,26 @@ class AsyncCopies:
         ev.record(stream)
         return ev
 
-    def alloc(self, numel: Dict[torch.dtype, int], side_only: bool = False) -> Tuple[Buffers, object]:
+    def alloc(self, numel: Dict[torch.dtype, int], used_by: str = COPIES) -> Tuple[Buffers, object]:
         # On the compute stream, so the blocks come from (and go back to) the pool activations use.
         # The allocator may hand out blocks the compute stream's queued work still reads: a copy
-        # into them waits for the event returned here. record_stream: when these buffers are
-        # dropped, the blocks are not reused before the work queued by then on the streams that
-        # use them is done (a speculated update may be dropped half done: out of memory). Work for
-        # the side stream allocates here too: its own pool would hold the blocks for it alone, and
-        # the compute stream's next forward could not reuse them. ``side_only`` buffers (an
-        # update's fp32 gradient and 16-bit cast) are recorded on the side stream alone, so that
-        # their blocks do not wait for the write-backs queued on the D2H stream.
+        # into them waits for the event returned here. Work for the side stream allocates here too:
+        # its own pool would hold the blocks for it alone, and the compute stream's next forward
+        # could not reuse them. When the buffers are dropped, their blocks must not be reused before
+        # the other streams' work on them is done:
+        # - COPIES (loads, slots): record_stream on both copy streams and the side stream, so the
+        #   allocator reuses the blocks once the work queued on those by then has run;
+        # - SIDE (an update's fp32 gradient, dropped in backward): recorded on the side stream alone,
+        #   so they do not wait for the write-backs queued on the D2H stream;
+        # - JOINED (an update's 16-bit cast): not recorded. The holder drops them only after the
+        #   compute stream waited for the side stream (``join_side``), so the blocks go back in the
+        #   compute stream's order, at once, even while the host runs ahead of the device. A
+        #   recorded block goes back only once the host has seen the event complete: the next
+        #   forward's first allocations, queued while the step still runs, would take new segments.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
-        streams = (self.side_stream, ) if side_only else (self.h2d_stream, self.d2h_stream, self.side_stream)
+        streams = {COPIES: (self.h2d_stream, self.d2h_stream, self.side_stream), SIDE: (self.side_stream, ),
+                   JOINED: ()}[used_by]
         for buf in bufs.values():
             for stream in streams:
                 buf.record_stream(stream)

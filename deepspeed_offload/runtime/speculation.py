@@ -39,6 +39,7 @@ import torch
 from deepspeed.utils import log_dist
 
 from ..host_memory import format_bytes
+from .copies import JOINED, SIDE
 from .host_store import MASTER
 
 # Rollbacks that say the next step may roll back too (the norm clips, fp16 overflows, the loss scale
@@ -200,17 +201,21 @@ class Speculation:
         state_before = group_before = None
         try:
             # From the compute stream's pool (``copies.alloc``), for work on the side stream: the fp32
-            # gradient and the 16-bit cast (two dtypes: fp32 parameters never speculate, ``stream.py``).
-            bufs, ready = mode.copies.alloc({master.dtype: master.numel(), lp_dtype: master.numel()}, side_only=True)
-            lp = bufs[lp_dtype]
+            # gradient, dropped at the end of this update; the 16-bit cast, kept until the step and
+            # dropped only after the compute stream joined the side stream (``step_ends``,
+            # ``discard_all``), so its block goes back in the compute stream's order.
+            grad, grad_ready = mode.copies.alloc({master.dtype: master.numel()}, used_by=SIDE)
+            cast, cast_ready = mode.copies.alloc({lp_dtype: master.numel()}, used_by=JOINED)
+            lp = cast[lp_dtype]
             with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
                 table.arrive(i)
                 mode.copies.compute_waits(self._final_event.pop(i, None))
-                mode.copies.compute_waits(ready)  # the compute stream's last use of both blocks
+                mode.copies.compute_waits(grad_ready)  # the compute stream's last use of the blocks
+                mode.copies.compute_waits(cast_ready)
                 mode.copies.compute_waits(queued)
                 state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
                 mode.tensors.point_at(i, lambda key: table.view(i, key))
-                master.grad = self._fp32_grad(i, bufs[master.dtype])
+                master.grad = self._fp32_grad(i, grad[master.dtype])
                 # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
                 # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
                 master.grad.mul_(1. / opt.loss_scale)
@@ -220,6 +225,7 @@ class Speculation:
                 state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
                 table.mark_updated(i)
         except BaseException:
+            mode.copies.join_side()  # before the cast (``JOINED``) is dropped with this frame
             if table[i].on_device:
                 table.release(i)  # its device copy may be half updated: the step loads it again
             raise
@@ -328,7 +334,6 @@ class Speculation:
             with copies.side():
                 copies.compute_waits(queued)
                 flat.data.copy_(self.committing[sub_group_id])
-            self.committing[sub_group_id] = None  # its memory, once the copy is done
             self.opt._unflatten_partitioned_parameters(sub_group_id)
 
         return reassign
@@ -339,7 +344,7 @@ class Speculation:
 
     def step_ends(self):
         self.mode.copies.join_side()  # the next forward reads the committed 16-bit partitions
-        self.committing = {}
+        self.committing = {}  # the casts, after the join (``JOINED``)
 
     def discard_all(self, why: str):
         """Drop every update not committed (``why``: counted): the current regions were never written.

@@ -12,12 +12,20 @@ ZeRO-3. New device buffers are filled with NaN, so reading one before its load r
 (the runtime passes ``(destination ready, previous write-back)``; for a staging slot, the slot's last
 write-back), so a slot is refilled before its write-back read it, which parity must catch.
 The device-memory policy is the CPU accelerator's (``synchronous``: no limits derived from memory).
+
+The side stream's work runs eagerly here, but the executor checks the one rule a GPU's caching
+allocator would punish silently: a buffer allocated ``JOINED`` (not recorded on the side stream) must
+be dropped only after the compute stream joined the side stream, if the side stream ran anything since
+(``unjoined_drops`` counts the ones that were not; ``joined_allocs`` shows the check saw some).
 """
 
 import contextlib
 import time
+import weakref
 
 import torch
+
+from deepspeed_offload.runtime.copies import COPIES, JOINED
 
 
 class _Stream:
@@ -43,6 +51,9 @@ class DeferredCopies:
         self.d2h_stream = _Stream("d2h")
         self.drop_slot_wait = drop_slot_wait
         self.deferred = 0  # copies that were still queued when the next copy was queued behind them
+        self.side_since_join = False  # the side stream ran something the compute stream has not joined
+        self.joined_allocs = 0
+        self.unjoined_drops = 0  # JOINED buffers dropped while side_since_join
 
     def _queue(self, stream, fn, waits):
         self.deferred += stream.done < len(stream.ops)
@@ -60,8 +71,16 @@ class DeferredCopies:
             fn()
             stream.done += 1
 
-    def alloc(self, numel, side_only=False):
-        return {dt: torch.full((n, ), float("nan"), dtype=dt) for dt, n in numel.items()}, None
+    def alloc(self, numel, used_by=COPIES):
+        bufs = {dt: torch.full((n, ), float("nan"), dtype=dt) for dt, n in numel.items()}
+        if used_by == JOINED:
+            for buf in bufs.values():
+                self.joined_allocs += 1
+                weakref.finalize(buf, self._joined_dropped)
+        return bufs, None
+
+    def _joined_dropped(self):
+        self.unjoined_drops += self.side_since_join
 
     def h2d(self, dst, src, waits):
         waits = tuple(waits)
@@ -85,11 +104,13 @@ class DeferredCopies:
     def mark(self):
         return None  # the computation runs eagerly on the CPU: done when it is queued
 
-    def side(self):
-        return contextlib.nullcontext()  # the computation is eager: one stream of it
+    @contextlib.contextmanager
+    def side(self):  # the computation is eager: one stream of it
+        self.side_since_join = True
+        yield
 
     def join_side(self):
-        pass
+        self.side_since_join = False
 
     def compute_waits(self, event):
         self._complete(event)

@@ -395,10 +395,11 @@ def train_with(spec):
                 yield
 
         copies.side = slow_side
-        if spec.get("no_step_end_join"):
-            # the negative control: the next forward does not wait for the commits' copies of the
-            # kept 16-bit casts into DeepSpeed's partitions (step_ends without its join)
-            speculation.step_ends = lambda: setattr(speculation, "committing", {})
+    if spec.get("no_step_end_join") and speculation is not None:
+        # the negative control: the next forward does not wait for the commits' copies of the kept
+        # 16-bit casts into DeepSpeed's partitions, and the casts are dropped before the compute
+        # stream joined the side stream (step_ends without its join)
+        speculation.step_ends = lambda: setattr(speculation, "committing", {})
     if spec.get("early_cap_share") and speculation is not None:
         # early loads within a cap, a share of all the offloaded state: what they hold plus the 16-bit casts the
         # updates keep until the step must stay within it (the peak guarantee's bookkeeping)
@@ -506,6 +507,8 @@ def train_with(spec):
                             "resident_bytes": {i: {k: n * torch.empty(0, dtype=dt).element_size() for k, dt, n in e}
                                                for i, e in handle.layout.resident_entries.items()},
                             "deferred_copies": getattr(handle.copies, "deferred", None),
+                            "joined_allocs": getattr(handle.copies, "joined_allocs", None),
+                            "unjoined_drops": getattr(handle.copies, "unjoined_drops", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}
     return result

@@ -8,7 +8,9 @@ launch, from the same seed, and compares every loss, fp32 master and optimizer s
 
 A negative control commits without the norm check while clipping fires on some steps: parity must
 break. The ``deferred`` variants run every copy only when something waits for it
-(``deferred_copies.py``), as late as a GPU's copy streams may."""
+(``deferred_copies.py``), as late as a GPU's copy streams may, and check that the 16-bit casts are
+dropped only after the compute stream joined the side stream; a control that skips the step's join
+must be caught."""
 
 import pytest
 
@@ -56,6 +58,8 @@ def variants(case):
            ("deferred", dict(offload=OFFLOAD, copies="deferred"))]
     if "clip_by_step" in spec and spec.get("backoff") == 0:
         out.append(("control", dict(offload=OFFLOAD, force_commit=True)))
+    if case == "clips_on_odd_steps":  # the casts dropped before the compute stream joined the side stream
+        out.append(("unjoined_control", dict(offload=OFFLOAD, copies="deferred", no_step_end_join=True)))
     return out
 
 
@@ -103,7 +107,14 @@ def test_speculation_parity(tmp_path, case):
         else:
             assert c["committed"] > 0 and c["discarded"] > 0 and c["commit_steps"] > 0 and c["rollback_steps"] > 0, c
     if "deferred" in runs:
-        assert runs["deferred"]["handle"]["deferred_copies"] > 0  # copies really waited in their queues
+        deferred = runs["deferred"]["handle"]
+        assert deferred["deferred_copies"] > 0  # copies really waited in their queues
+        # every 16-bit cast (allocated JOINED, not recorded on the side stream) was dropped only after
+        # the compute stream joined the side stream: on a GPU its block is reused at once
+        assert deferred["joined_allocs"] > 0 and deferred["unjoined_drops"] == 0, deferred
+    if "unjoined_control" in runs:
+        unjoined = runs["unjoined_control"]["handle"]
+        assert unjoined["speculation"]["committed"] > 0 and unjoined["unjoined_drops"] > 0, unjoined
     if "control" in runs:
         control = runs["control"]
         assert control["handle"]["speculation"]["committed"] > 0

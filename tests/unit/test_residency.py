@@ -324,12 +324,12 @@ def test_gpu_a_write_back_waits_for_the_update(control):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("side_only", [True, False], ids=["side_only", "control_every_stream"])
-def test_gpu_a_side_only_buffer_does_not_wait_for_the_write_backs(side_only):
-    """While the D2H stream is busy (write-backs queued), a dropped ``side_only`` buffer (an update's
-    fp32 gradient or 16-bit cast) goes back to the allocator as soon as the side stream is done with
-    it, so the next allocation of its size reuses the block; a buffer recorded on every stream (the
-    control) waits for the D2H stream, and the allocator hands out another block."""
+@pytest.mark.parametrize("used_by", ["side", "copies"], ids=["side", "control_every_stream"])
+def test_gpu_a_side_buffer_does_not_wait_for_the_write_backs(used_by):
+    """While the D2H stream is busy (write-backs queued), a dropped ``SIDE`` buffer (an update's fp32
+    gradient) goes back to the allocator as soon as the side stream is done with it, so the next
+    allocation of its size reuses the block; a buffer recorded on every stream (the control) waits
+    for the D2H stream, and the allocator hands out another block."""
     from deepspeed_offload.runtime.copies import AsyncCopies
     copies = AsyncCopies()
     numel = {torch.float32: 1 << 22}
@@ -337,7 +337,7 @@ def test_gpu_a_side_only_buffer_does_not_wait_for_the_write_backs(side_only):
     torch.cuda.empty_cache()  # no other cached block for the allocator to pick
     with torch.cuda.stream(copies.d2h_stream):
         torch.cuda._sleep(SPIN)  # write-backs still queued when the buffer is dropped
-    bufs, ready = copies.alloc(numel, side_only=side_only)
+    bufs, ready = copies.alloc(numel, used_by=used_by)
     ptr = bufs[torch.float32].data_ptr()
     with copies.side():
         copies.compute_waits(ready)
@@ -345,11 +345,43 @@ def test_gpu_a_side_only_buffer_does_not_wait_for_the_write_backs(side_only):
     copies.join_side()
     torch.cuda.current_stream().synchronize()  # the side stream's use is over; the D2H stream's sleep is not
     del bufs
-    again, _ = copies.alloc(numel, side_only=side_only)
+    again, _ = copies.alloc(numel, used_by=used_by)
     reused = again[torch.float32].data_ptr() == ptr
     torch.cuda.synchronize()
-    assert reused == side_only, ("the block waited for the D2H stream" if side_only else
-                                 "the control's block was reused while the D2H stream could still use it")
+    assert reused == (used_by == "side"), ("the block waited for the D2H stream" if used_by == "side" else
+                                           "the control's block was reused while the D2H stream could still use it")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("used_by", ["joined", "side"], ids=["joined", "control_recorded_on_side"])
+def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by):
+    """A ``JOINED`` buffer (an update's 16-bit cast) dropped after ``join_side`` goes back in the
+    compute stream's order: the next allocation reuses its block at once, while the side stream (and
+    the device) are still busy with it, and what the compute stream then writes lands after the side
+    stream's write. The control, recorded on the side stream, is held until the host sees the side
+    stream finish, so an allocation queued meanwhile (the next forward's, when the host runs ahead of
+    the step) takes another block."""
+    from deepspeed_offload.runtime.copies import AsyncCopies
+    copies = AsyncCopies()
+    numel = {torch.float32: 1 << 22}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    bufs, ready = copies.alloc(numel, used_by=used_by)
+    ptr = bufs[torch.float32].data_ptr()
+    with copies.side():
+        copies.compute_waits(ready)
+        torch.cuda._sleep(SPIN)  # the side stream still runs when the host drops the buffer
+        bufs[torch.float32].fill_(1.0)
+    copies.join_side()
+    del bufs
+    again, _ = copies.alloc(numel, used_by=used_by)
+    reused = again[torch.float32].data_ptr() == ptr
+    again[torch.float32].fill_(2.0)  # on the compute stream, after the join
+    torch.cuda.synchronize()
+    assert reused == (used_by == "joined"), ("the joined block was not reused" if used_by == "joined" else
+                                             "the control's block was reused while the side stream still ran")
+    assert bool((again[torch.float32] == 2.0).all()), "the side stream's write landed after the compute stream's"
 
 
 def test_drain_waits_for_a_write_back_whose_sub_group_is_loading_again():
