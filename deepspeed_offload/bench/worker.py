@@ -141,6 +141,7 @@ def run_mode(mode, args, acc, progress):
     out.update(results.host_pinned(handle), attach_s=getattr(handle, "attach_s", None))
     out["per_rank"] = results.gather_ranks(results.rank_record(rank, out), world)
     out["host"] = results.host_memory(out["per_rank"], nparams, world)
+    deepspeed_offload.finish(engine)  # every rank: no gloo abort at exit (``teardown.py``)
     return out if rank == 0 else None
 
 
