@@ -1,7 +1,8 @@
 """The driver: ``deepspeed-offload bench``'s entry (``main``, ``run``). It checks the modes, keeps
 what an earlier run with the same arguments measured (``--resume``), starts one worker process per
-mode (plain Python for one rank, torchrun for several), records each mode's result or why it has
-none, writes the summary after every mode, and prints the report and draws the charts at the end.
+mode (plain Python for one rank, torchrun for several; with ``--rounds``, the modes in turn that
+many times, pooled per mode), records each mode's result or why it has none, writes the summary
+after every mode, and prints the report and draws the charts at the end.
 
 A mode without a result is recorded with an ``error``: the tail of its log, or, for a worker that
 ran past its ``--timeout`` (killed with every process it started), ``"timeout": true``; one whose
@@ -24,6 +25,7 @@ import torch
 from .modes import expand
 from .options import build_parser, identity_diff, resolve
 from .report import report, summarize
+from .results import pool_rounds
 
 
 def main(argv=None):
@@ -182,6 +184,9 @@ def run(args, argv):
     if args.worker:
         from .worker import work
         return work(args)
+    if args.rounds < 1 or (args.rounds > 1 and args.resume):
+        return _refuse("--rounds takes a whole number from 1, and more than one round runs every mode afresh "
+                       "(not with --resume)")
     try:
         modes = expand(args.modes, args)
         timeouts = parse_timeouts(args.timeout, [m.name for m in modes])
@@ -199,9 +204,15 @@ def run(args, argv):
 
     from tqdm import tqdm
     stem = os.path.splitext(args.out)[0]
-    for mode in tqdm([m for m in modes if m.name not in results], desc="modes"):
-        results[mode.name] = run_mode(mode, args, argv, stem, timeouts[mode.name])
-        brief = {k: v for k, v in results[mode.name].items() if k not in ("per_iter", "timeline", "per_rank", "profile")}
+    todo = [m for m in modes if m.name not in results]
+    # --rounds: the modes in turn, every other round reversed, so that a drift falls on all of them
+    schedule = [(k, m) for k in range(args.rounds) for m in (todo if k % 2 == 0 else todo[::-1])]
+    rounds = {}
+    for k, mode in tqdm(schedule, desc="modes"):
+        result = run_mode(mode, args, argv, stem if args.rounds == 1 else f"{stem}-round{k + 1}", timeouts[mode.name])
+        rounds.setdefault(mode.name, []).append(result)
+        results[mode.name] = result if args.rounds == 1 else pool_rounds(rounds[mode.name])
+        brief = {k: v for k, v in result.items() if k not in ("per_iter", "timeline", "per_rank", "profile")}
         tqdm.write(f"{mode.name}: {json.dumps(brief)[:600]}")
         summarize(results, args)  # after every mode: a run cut short keeps what it measured
     summary = summarize(results, args)

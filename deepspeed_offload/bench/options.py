@@ -54,6 +54,10 @@ def build_parser(ap=None):
     ap.add_argument("--reduce-bucket-size", type=int, default=None,
                     help="zero_optimization.reduce_bucket_size of every mode (default: unset, DeepSpeed's 5e8 "
                     "elements; HF's 'auto' fills in hidden_size**2)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the modes this many times, in turn (every other round in reverse order), so that "
+                    "the machine's drift over minutes falls on every mode alike; each mode's iterations are pooled, "
+                    "and its time over its baseline is also given round by round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--bw-gib", type=int, default=2)

@@ -16,6 +16,7 @@ from ..estimate import state_bytes_per_rank
 from .loop import GiB
 from .modes import lookup
 from .options import args_record
+from .results import by_round
 
 _DEFAULTS = dict(sub_group_mb=256, overlap_memory_gb=None, budget_gb=16.0)
 
@@ -69,6 +70,11 @@ def summarize(results, args):
         if "pipelined_iter_s" in r and "pipelined_iter_s" in base:
             r["pipelined_overhead_s"] = r["pipelined_iter_s"] - base["pipelined_iter_s"]
             r["pipelined_hidden_share"] = 1 - r["pipelined_overhead_s"] / floor_s
+    for mode, r in results.items():
+        base = results.get(baseline_of(mode, settings), {})
+        ratios = by_round(r, base) if base is not r else None
+        if ratios:
+            r["by_round"] = ratios
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -154,6 +160,13 @@ def _speculation_line(mode, split):
     return f"{mode}: iterations by speculation (median s): " + ", ".join(parts)
 
 
+def _rounds_line(mode, r, settings):
+    """The mode's time over its baseline's in each round of ``--rounds``, and the median."""
+    parts = [f"{'synchronized' if key == 'iter_s' else 'pipelined'} " + ", ".join(f"{x:.2f}" for x in v["ratios"])
+             + f" (median {v['median']:.2f})" for key, v in r["by_round"].items()]
+    return f"{mode}: x {baseline_of(mode, settings)} by round: " + "; ".join(parts)
+
+
 def _host_line(mode, host):
     store = host["store_bytes_per_node"]
     return (f"{mode}: host per node ({host['ranks_per_node']} ranks): store "
@@ -202,6 +215,7 @@ def report(summary):
     lines += [f"{mode}: out of memory: {r['error']}" for mode, r in results.items() if r.get("oom")]
     lines += [_overhead_line(mode, r, settings) for mode, r in results.items() if "overhead_s" in r]
     lines += list(filter(None, (_startup_line(mode, r) for mode, r in results.items())))
+    lines += [_rounds_line(mode, r, settings) for mode, r in results.items() if r.get("by_round")]
     lines += [_speculation_line(mode, r["by_speculation"]) for mode, r in results.items() if r.get("by_speculation")]
     lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
     lines += [_colocation_line(mode, r) for mode, r in results.items() if "colocate_offload_s" in r]

@@ -1,6 +1,7 @@
 """A mode's result record, from what the worker measured: the iterations' medians, spreads and worst
 peaks, what our handle reports (sub-groups, step stats, host store), each rank's figures and the
-host memory per node against ``deepspeed-offload estimate``."""
+host memory per node against ``deepspeed-offload estimate``; with ``--rounds``, one mode's rounds
+pooled into one record, and its time over its baseline's round by round."""
 
 import statistics
 
@@ -24,6 +25,52 @@ def from_rows(rows):
         out["by_speculation"] = by_speculation(rows)
     out["per_iter"] = rows
     return out
+
+
+PIPELINED_PEAKS = ("pipelined_peak_GiB", "pipelined_peak_reserved_GiB")
+ROUND_KEYS = ("iter_s", "fwd_bwd_s", "step_s", "pipelined_iter_s")  # each round's own, under ``rounds``
+
+
+def pool_rounds(runs):
+    """One mode's results from the rounds of ``--rounds``, as one result: the medians and spreads of
+    all their synchronized iterations together (``from_rows``), the mean of their pipelined means
+    (every round runs as many), the worst peaks; what the handle and the host reported from the last
+    round; each round's own times under ``rounds``. A round without figures (failed, out of memory,
+    timed out) is the result, with the round it was (``round``)."""
+    for k, r in enumerate(runs):
+        if "per_iter" not in r and ("error" in r or r.get("oom") or r.get("timeout")):
+            return dict(r, round=k + 1)
+    if not all("per_iter" in r for r in runs):
+        return runs[-1]  # the bandwidth probe: no iterations to pool
+    out = dict(runs[-1])
+    out.update(from_rows([row for r in runs for row in r["per_iter"]]))
+    if all("pipelined_iter_s" in r for r in runs):
+        means = [r["pipelined_iter_s"] for r in runs]
+        out["pipelined_iter_s"] = statistics.mean(means)
+        out["pipelined_iter_s_min"] = min(r.get("pipelined_iter_s_min", r["pipelined_iter_s"]) for r in runs)
+        out["pipelined_iter_s_max"] = max(r.get("pipelined_iter_s_max", r["pipelined_iter_s"]) for r in runs)
+        if all("pipelined_iter_s_median" in r for r in runs):
+            out["pipelined_iter_s_median"] = statistics.median(r["pipelined_iter_s_median"] for r in runs)
+    for k in PIPELINED_PEAKS:
+        if all(k in r for r in runs):
+            out[k] = max(r[k] for r in runs)
+    out["rounds"] = [{k: r[k] for k in ROUND_KEYS if k in r} for r in runs]
+    out["wall_s"] = sum(r.get("wall_s", 0.0) for r in runs)
+    return out
+
+
+def by_round(r, base):
+    """``r``'s iteration time over its baseline's, round by round (both measured in every round of
+    ``--rounds``, one beside the other): synchronized medians and pipelined means, with their medians."""
+    rounds, base_rounds = r.get("rounds"), base.get("rounds")
+    if not rounds or not base_rounds or len(rounds) != len(base_rounds):
+        return None
+    out = {}
+    for key in ("iter_s", "pipelined_iter_s"):
+        if all(key in a and key in b for a, b in zip(rounds, base_rounds)):
+            ratios = [a[key] / b[key] for a, b in zip(rounds, base_rounds)]
+            out[key] = {"ratios": ratios, "median": statistics.median(ratios)}
+    return out or None
 
 
 def by_speculation(rows):

@@ -19,6 +19,7 @@ from bench_runs import RUNS
 from deepspeed_offload.bench import charts, driver, models, modes, options
 from deepspeed_offload.bench import report as reporting
 from deepspeed_offload.bench import timeline
+from deepspeed_offload.bench.results import from_rows, pool_rounds
 from deepspeed_offload.config import OffloadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -673,3 +674,57 @@ def test_profile_summary_of_the_last_iteration():
     assert by[20]["h2d_GB"] == 1.0 and by[21]["d2h_GB"] == 2.0
     assert by[21]["busy_s"]["step"] == 0.00008 and by[21]["busy_s"]["after_step"] == 0.00017
     assert summarize({"traceEvents": []}) == {"error": "no forward/backward/step ranges in the trace"}
+
+
+def test_rounds_run_the_modes_in_turn_and_pool_them(tmp_path, monkeypatch):
+    """``--rounds 3``: resident and stream_speculate in turn, every other round reversed; each mode's
+    iterations pooled (medians over all rounds, the mean of the pipelined means, the worst peaks),
+    and its time over resident's round by round. The machine drifts: every launch is 10% slower
+    than the one before, and speculation takes 1.2x resident's time in its own launch."""
+    launched = []
+
+    def run(cmd, env, timeout):
+        mode = cmd_mode(cmd)
+        launched.append(mode)
+        drift = 1.1 ** (len(launched) - 1)
+        t = drift * (1.2 if mode == "stream_speculate" else 1.0)
+        rows = [{"iter_s": t * f, "step_s": 0.1, "fwd_bwd_s": t * f - 0.1, "peak_iter_GiB": 1.0 + len(launched),
+                 "peak_reserved_GiB": 2.0, "between_GiB": 0.5} for f in (0.9, 1.0, 1.1)]
+        result = dict(from_rows(rows), pipelined_iter_s=t, pipelined_iter_s_median=t, pipelined_peak_GiB=float(len(launched)),
+                      params=10, launch=len(launched))
+        Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps(result))
+        return f"log of {mode} {len(launched)}", False
+
+    monkeypatch.setattr(driver, "run_process", run)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    out = tmp_path / "b.json"
+    assert driver.main(["--out", str(out), "--modes", "resident,stream_speculate", "--rounds", "3"]) == 0
+    assert launched == ["resident", "stream_speculate", "stream_speculate", "resident", "resident", "stream_speculate"]
+    assert (tmp_path / "b-round2-stream_speculate.log").read_text() == "log of stream_speculate 3"
+    summary = json.loads(out.read_text())
+    res, spec = summary["results"]["resident"], summary["results"]["stream_speculate"]
+    drift = [1.1 ** k for k in range(6)]
+    assert [r["iter_s"] for r in res["rounds"]] == pytest.approx([drift[0], drift[3], drift[4]])
+    assert [r["iter_s"] for r in spec["rounds"]] == pytest.approx([1.2 * drift[1], 1.2 * drift[2], 1.2 * drift[5]])
+    assert len(spec["per_iter"]) == 9 and spec["iter_s"] == pytest.approx(1.2 * drift[2])  # the pooled median
+    assert spec["pipelined_iter_s"] == pytest.approx(1.2 * (drift[1] + drift[2] + drift[5]) / 3)
+    assert spec["peak_iter_GiB"] == 7.0 and spec["pipelined_peak_GiB"] == 6.0  # the worst round's
+    assert spec["launch"] == 6  # what the handle reported: the last round's
+    ratios = spec["by_round"]["iter_s"]["ratios"]
+    assert ratios == pytest.approx([1.2 * 1.1, 1.2 / 1.1, 1.2 * 1.1])
+    assert spec["by_round"]["iter_s"]["median"] == pytest.approx(1.32)
+    assert "by_round" not in res
+    assert "stream_speculate: x resident by round: synchronized 1.32, 1.09, 1.32 (median 1.32); pipelined " \
+        in reporting.report(summary)
+    # more than one round never resumes: every mode runs afresh
+    assert driver.main(["--out", str(out), "--modes", "resident", "--rounds", "2", "--resume"]) == 2
+    assert driver.main(["--out", str(out), "--modes", "resident", "--rounds", "0"]) == 2
+
+
+def test_a_failed_round_is_the_mode_s_result():
+    good = dict(from_rows([{"iter_s": 1.0, "step_s": 0.1, "fwd_bwd_s": 0.9, "peak_iter_GiB": 1.0,
+                            "peak_reserved_GiB": 1.0}]), pipelined_iter_s=1.0)
+    pooled = pool_rounds([good, {"error": "boom"}, good])
+    assert pooled == {"error": "boom", "round": 2}
+    assert pool_rounds([{"h2d_GBps": 50.0}, {"h2d_GBps": 52.0}]) == {"h2d_GBps": 52.0}  # the probe: its last
