@@ -67,6 +67,9 @@ class SyncCopies:
     def join_side(self) -> None:
         """The compute stream waits for everything queued on the side stream so far."""
 
+    def release(self, *tensors: torch.Tensor) -> None:
+        """JOINED buffers about to be dropped without a join (``AsyncCopies.release``)."""
+
     def compute_waits(self, event) -> None:
         pass
 
@@ -108,10 +111,12 @@ class AsyncCopies:
         # - SIDE (an update's fp32 gradient, dropped in backward): recorded on the side stream alone,
         #   so they do not wait for the write-backs queued on the D2H stream;
         # - JOINED (an update's 16-bit cast): not recorded. The holder drops them only after the
-        #   compute stream waited for the side stream (``join_side``), so the blocks go back in the
-        #   compute stream's order, at once, even while the host runs ahead of the device. A
+        #   compute stream waited for the side stream (``join_side`` on it), so the blocks go back in
+        #   the compute stream's order, at once, even while the host runs ahead of the device. A
         #   recorded block goes back only once the host has seen the event complete: the next
         #   forward's first allocations, queued while the step still runs, would take new segments.
+        #   Where that join cannot be promised (a rollback, possibly on DeepSpeed's reduction stream;
+        #   an error), the holder calls ``release`` first.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
         streams = {COPIES: (self.h2d_stream, self.d2h_stream, self.side_stream), SIDE: (self.side_stream, ),
@@ -152,6 +157,12 @@ class AsyncCopies:
 
     def join_side(self) -> None:
         self.acc.current_stream().wait_stream(self.side_stream)
+
+    def release(self, *tensors: torch.Tensor) -> None:
+        """JOINED buffers about to be dropped where the stream they came from may not have joined the
+        side stream: recorded on it now, so the allocator waits for its work queued by then."""
+        for t in tensors:
+            t.record_stream(self.side_stream)
 
     def compute_waits(self, event) -> None:
         # (the current stream: the compute stream, or the side stream inside ``side()``)

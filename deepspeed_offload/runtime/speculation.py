@@ -199,44 +199,48 @@ class Speculation:
         # tensor learning rate) may have been written on the compute stream: the snapshot waits.
         queued = mode.copies.mark() if _on_device(state, group) else None
         state_before = group_before = None
+        cast = {}
         try:
-            # From the compute stream's pool (``copies.alloc``), for work on the side stream: the fp32
-            # gradient, dropped at the end of this update; the 16-bit cast, kept until the step and
-            # dropped only after the compute stream joined the side stream (``step_ends``,
-            # ``discard_all``), so its block goes back in the compute stream's order.
-            grad, grad_ready = mode.copies.alloc({master.dtype: master.numel()}, used_by=SIDE)
-            cast, cast_ready = mode.copies.alloc({lp_dtype: master.numel()}, used_by=JOINED)
-            lp = cast[lp_dtype]
-            with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
-                table.arrive(i)
-                mode.copies.compute_waits(self._final_event.pop(i, None))
-                mode.copies.compute_waits(grad_ready)  # the compute stream's last use of the blocks
-                mode.copies.compute_waits(cast_ready)
-                mode.copies.compute_waits(queued)
-                state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
-                mode.tensors.point_at(i, lambda key: table.view(i, key))
-                master.grad = self._fp32_grad(i, grad[master.dtype])
-                # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale, bitwise the
-                # same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
-                master.grad.mul_(1. / opt.loss_scale)
-                opt._optimizer_step(i)
+            try:
+                # From the compute stream's pool (``copies.alloc``), for work on the side stream: the
+                # fp32 gradient, dropped at the end of this update; the 16-bit cast, kept until the step
+                # and dropped after the compute stream joined the side stream (``step_ends``), so its
+                # block goes back in the compute stream's order.
+                grad, grad_ready = mode.copies.alloc({master.dtype: master.numel()}, used_by=SIDE)
+                cast, cast_ready = mode.copies.alloc({lp_dtype: master.numel()}, used_by=JOINED)
+                lp = cast[lp_dtype]
+                with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
+                    table.arrive(i)
+                    mode.copies.compute_waits(self._final_event.pop(i, None))
+                    mode.copies.compute_waits(grad_ready)  # the compute stream's last use of the blocks
+                    mode.copies.compute_waits(cast_ready)
+                    mode.copies.compute_waits(queued)
+                    state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
+                    mode.tensors.point_at(i, lambda key: table.view(i, key))
+                    master.grad = self._fp32_grad(i, grad[master.dtype])
+                    # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale,
+                    # bitwise the same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
+                    master.grad.mul_(1. / opt.loss_scale)
+                    opt._optimizer_step(i)
+                    master.grad = None
+                    lp.copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
+                    state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
+                    table.mark_updated(i)
+            except BaseException:
+                if table[i].on_device:
+                    table.release(i)  # its device copy may be half updated: the step loads it again
+                raise
+            finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
                 master.grad = None
-                lp.copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
-                state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
-                table.mark_updated(i)
+                if state_before is not None:
+                    with mode.copies.side():
+                        _restore_state(state, state_before)
+                        _restore_group(group, group_before)
+                mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
+            nbytes, span = table.write_back(i, other=True)
         except BaseException:
-            mode.copies.join_side()  # before the cast (``JOINED``) is dropped with this frame
-            if table[i].on_device:
-                table.release(i)  # its device copy may be half updated: the step loads it again
+            mode.copies.release(*cast.values())  # dropped with this frame, with no join
             raise
-        finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
-            master.grad = None
-            if state_before is not None:
-                with mode.copies.side():
-                    _restore_state(state, state_before)
-                    _restore_group(group, group_before)
-            mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
-        nbytes, span = table.write_back(i, other=True)
         if mode.stats is not None:
             mode.stats.bytes_d2h += nbytes
             mode.stats.span("d2h", span)
@@ -348,8 +352,12 @@ class Speculation:
 
     def discard_all(self, why: str):
         """Drop every update not committed (``why``: counted): the current regions were never written.
-        The current stream waits for the side stream (a step that raised may have queued commits' copies there)."""
+        The current stream waits for the side stream (a step that raised may have queued commits' copies
+        there). That may be DeepSpeed's reduction stream (a gradient reduced again in backward), not the
+        one the casts came from, so they are released to the allocator recorded on the side stream."""
         self.mode.copies.join_side()
+        self.mode.copies.release(*[s.lp for s in self.updated.values()],
+                                 *[lp for lp in self.committing.values() if lp is not None])
         if self.updated:
             self.counters.discarded += len(self.updated)
             self.counters.rollback_steps += 1

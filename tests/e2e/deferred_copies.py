@@ -15,8 +15,9 @@ The device-memory policy is the CPU accelerator's (``synchronous``: no limits de
 
 The side stream's work runs eagerly here, but the executor checks the one rule a GPU's caching
 allocator would punish silently: a buffer allocated ``JOINED`` (not recorded on the side stream) must
-be dropped only after the compute stream joined the side stream, if the side stream ran anything since
-(``unjoined_drops`` counts the ones that were not; ``joined_allocs`` shows the check saw some).
+be dropped only after the compute stream joined the side stream, if the side stream ran anything since,
+or be handed to ``release`` first (``unjoined_drops`` counts the ones that were neither;
+``joined_allocs`` shows the check saw some).
 """
 
 import contextlib
@@ -53,7 +54,8 @@ class DeferredCopies:
         self.deferred = 0  # copies that were still queued when the next copy was queued behind them
         self.side_since_join = False  # the side stream ran something the compute stream has not joined
         self.joined_allocs = 0
-        self.unjoined_drops = 0  # JOINED buffers dropped while side_since_join
+        self.unjoined_drops = 0  # JOINED buffers dropped while side_since_join, not released
+        self._released = set()  # ids of JOINED buffers handed to release
 
     def _queue(self, stream, fn, waits):
         self.deferred += stream.done < len(stream.ops)
@@ -76,11 +78,17 @@ class DeferredCopies:
         if used_by == JOINED:
             for buf in bufs.values():
                 self.joined_allocs += 1
-                weakref.finalize(buf, self._joined_dropped)
+                weakref.finalize(buf, self._joined_dropped, id(buf))
         return bufs, None
 
-    def _joined_dropped(self):
-        self.unjoined_drops += self.side_since_join
+    def _joined_dropped(self, key):
+        if key in self._released:
+            self._released.discard(key)
+        else:
+            self.unjoined_drops += self.side_since_join
+
+    def release(self, *tensors):
+        self._released.update(id(t) for t in tensors)
 
     def h2d(self, dst, src, waits):
         waits = tuple(waits)

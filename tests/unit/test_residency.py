@@ -354,33 +354,38 @@ def test_gpu_a_side_buffer_does_not_wait_for_the_write_backs(used_by):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("used_by", ["joined", "side"], ids=["joined", "control_recorded_on_side"])
+@pytest.mark.parametrize("used_by", ["joined", "released", "side"],
+                         ids=["joined", "released_without_a_join", "control_recorded_on_side"])
 def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by):
     """A ``JOINED`` buffer (an update's 16-bit cast) dropped after ``join_side`` goes back in the
     compute stream's order: the next allocation reuses its block at once, while the side stream (and
     the device) are still busy with it, and what the compute stream then writes lands after the side
-    stream's write. The control, recorded on the side stream, is held until the host sees the side
-    stream finish, so an allocation queued meanwhile (the next forward's, when the host runs ahead of
-    the step) takes another block."""
+    stream's write. One dropped without a join (a rollback on another stream) is handed to
+    ``release`` first, and like the control, recorded on the side stream, it is held until the host
+    sees the side stream finish, so an allocation queued meanwhile (the next forward's, when the host
+    runs ahead of the step) takes another block."""
     from deepspeed_offload.runtime.copies import AsyncCopies
     copies = AsyncCopies()
     numel = {torch.float32: 1 << 22}
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    bufs, ready = copies.alloc(numel, used_by=used_by)
+    bufs, ready = copies.alloc(numel, used_by="joined" if used_by == "released" else used_by)
     ptr = bufs[torch.float32].data_ptr()
     with copies.side():
         copies.compute_waits(ready)
         torch.cuda._sleep(SPIN)  # the side stream still runs when the host drops the buffer
         bufs[torch.float32].fill_(1.0)
-    copies.join_side()
+    if used_by == "released":
+        copies.release(*bufs.values())
+    else:
+        copies.join_side()
     del bufs
-    again, _ = copies.alloc(numel, used_by=used_by)
+    again, _ = copies.alloc(numel, used_by=used_by if used_by != "released" else "joined")
     reused = again[torch.float32].data_ptr() == ptr
     again[torch.float32].fill_(2.0)  # on the compute stream, after the join
     torch.cuda.synchronize()
     assert reused == (used_by == "joined"), ("the joined block was not reused" if used_by == "joined" else
-                                             "the control's block was reused while the side stream still ran")
+                                             "the block was reused while the side stream still ran")
     assert bool((again[torch.float32] == 2.0).all()), "the side stream's write landed after the compute stream's"
 
 
