@@ -25,7 +25,7 @@ import torch
 from .modes import expand
 from .options import build_parser, identity_diff, resolve
 from .report import report, summarize
-from .results import pool_rounds
+from .results import failed, pool_rounds
 
 
 def main(argv=None):
@@ -205,10 +205,14 @@ def run(args, argv):
     from tqdm import tqdm
     stem = os.path.splitext(args.out)[0]
     todo = [m for m in modes if m.name not in results]
-    # --rounds: the modes in turn, every other round reversed, so that a drift falls on all of them
-    schedule = [(k, m) for k in range(args.rounds) for m in (todo if k % 2 == 0 else todo[::-1])]
+    # --rounds: the modes in turn, every other round reversed, so that a drift falls on all of them;
+    # the bandwidth probe in the first round only, and a mode that failed in a round not again
+    schedule = [(k, m) for k in range(args.rounds) for m in (todo if k % 2 == 0 else todo[::-1])
+                if k == 0 or not m.probe]
     rounds = {}
     for k, mode in tqdm(schedule, desc="modes"):
+        if k > 0 and failed(results[mode.name]):
+            continue
         result = run_mode(mode, args, argv, stem if args.rounds == 1 else f"{stem}-round{k + 1}", timeouts[mode.name])
         rounds.setdefault(mode.name, []).append(result)
         results[mode.name] = result if args.rounds == 1 else pool_rounds(rounds[mode.name])

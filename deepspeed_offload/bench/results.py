@@ -31,6 +31,11 @@ PIPELINED_PEAKS = ("pipelined_peak_GiB", "pipelined_peak_reserved_GiB")
 ROUND_KEYS = ("iter_s", "fwd_bwd_s", "step_s", "pipelined_iter_s")  # each round's own, under ``rounds``
 
 
+def failed(r):
+    """A mode's result without figures: it failed, ran out of memory or timed out."""
+    return "per_iter" not in r and bool("error" in r or r.get("oom") or r.get("timeout"))
+
+
 def pool_rounds(runs):
     """One mode's results from the rounds of ``--rounds``, as one result: the medians and spreads of
     all their synchronized iterations together (``from_rows``), the mean of their pipelined means
@@ -38,7 +43,7 @@ def pool_rounds(runs):
     round; each round's own times under ``rounds``. A round without figures (failed, out of memory,
     timed out) is the result, with the round it was (``round``)."""
     for k, r in enumerate(runs):
-        if "per_iter" not in r and ("error" in r or r.get("oom") or r.get("timeout")):
+        if failed(r):
             return dict(r, round=k + 1)
     if not all("per_iter" in r for r in runs):
         return runs[-1]  # the bandwidth probe: no iterations to pool

@@ -728,3 +728,14 @@ def test_a_failed_round_is_the_mode_s_result():
     pooled = pool_rounds([good, {"error": "boom"}, good])
     assert pooled == {"error": "boom", "round": 2}
     assert pool_rounds([{"h2d_GBps": 50.0}, {"h2d_GBps": 52.0}]) == {"h2d_GBps": 52.0}  # the probe: its last
+
+
+def test_rounds_probe_once_and_do_not_repeat_a_failed_mode(tmp_path, fake_workers):
+    """With ``--rounds 2``: the bandwidth probe runs in the first round only, and a mode that failed
+    in a round is not run again (a mode that hangs would cost its timeout in every round)."""
+    out = tmp_path / "b.json"
+    assert driver.main(["--out", str(out), "--modes", "bandwidth,stream_overlap,stream", "--rounds", "2"]) == 0
+    assert launched_modes(fake_workers) == ["bandwidth", "stream_overlap", "stream", "stream_overlap"]
+    res = json.loads(out.read_text())["results"]
+    assert "boom" in res["stream"]["error"] and res["stream"]["round"] == 1
+    assert "iter_s" in res["stream_overlap"] and "iter_s" in res["bandwidth"]
