@@ -4,7 +4,8 @@ against iteration peak) and the memory timeline of one iteration. Needs matplotl
 first use)."""
 
 from .modes import lookup
-from .report import baseline_of, settings_of, unmeasured
+from .report import baseline_of, settings_of
+from .results import unmeasured
 
 
 def _pyplot():

@@ -16,7 +16,7 @@ from ..estimate import state_bytes_per_rank
 from .loop import GiB
 from .modes import lookup
 from .options import args_record
-from .results import by_round
+from .results import by_round, unmeasured
 
 _DEFAULTS = dict(sub_group_mb=256, overlap_memory_gb=None, budget_gb=16.0)
 
@@ -88,21 +88,6 @@ def _cell(r, key, fmt="{:.3f}"):
     if key + "_min" in r:
         text += f" ({fmt.format(r[key + '_min'])}-{fmt.format(r[key + '_max'])})"
     return text
-
-
-def unmeasured(r):
-    """Why a mode has no figures, in a few words: out of memory, timed out or failed (None: measured)."""
-    if r.get("oom"):
-        peak = r.get("peak_before_GiB")
-        where = "; ".join(filter(None, [f"peak {peak:.2f} GiB before" if peak is not None else None,
-                                        r.get("last_progress")]))
-        return "out of memory" + (f" ({where})" if where else "")
-    if r.get("timeout"):
-        return f"timed out after {r['timeout_s']:g} s" + (f" ({r['last_progress']})" if r.get("last_progress") else "")
-    if "error" in r:
-        last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
-        return f"failed: {last[0][-100:]}"
-    return None
 
 
 def table(results, settings=None):

@@ -1,6 +1,6 @@
 """A mode's result record, from what the worker measured: the iterations' medians, spreads and worst
 peaks, what our handle reports (sub-groups, step stats, host store), each rank's figures and the
-host memory per node against ``deepspeed-offload estimate``; with ``--rounds``, one mode's rounds
+host memory per node against ``deepspeed-offload estimate``, or why a mode has none; with ``--rounds``, one mode's rounds
 pooled into one record, and its time over its baseline's round by round."""
 
 import statistics
@@ -31,9 +31,24 @@ PIPELINED_PEAKS = ("pipelined_peak_GiB", "pipelined_peak_reserved_GiB")
 ROUND_KEYS = ("iter_s", "fwd_bwd_s", "step_s", "pipelined_iter_s")  # each round's own, under ``rounds``
 
 
+def unmeasured(r):
+    """Why a mode has no figures, in a few words: out of memory, timed out or failed (None: measured)."""
+    if r.get("oom"):
+        peak = r.get("peak_before_GiB")
+        where = "; ".join(filter(None, [f"peak {peak:.2f} GiB before" if peak is not None else None,
+                                        r.get("last_progress")]))
+        return "out of memory" + (f" ({where})" if where else "")
+    if r.get("timeout"):
+        return f"timed out after {r['timeout_s']:g} s" + (f" ({r['last_progress']})" if r.get("last_progress") else "")
+    if "error" in r:
+        last = [l for l in r["error"].splitlines() if l.strip()][-1:] or ["?"]
+        return f"failed: {last[0][-100:]}"
+    return None
+
+
 def failed(r):
     """A mode's result without figures: it failed, ran out of memory or timed out."""
-    return "per_iter" not in r and bool("error" in r or r.get("oom") or r.get("timeout"))
+    return unmeasured(r) is not None
 
 
 def pool_rounds(runs):

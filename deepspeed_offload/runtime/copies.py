@@ -93,6 +93,9 @@ class AsyncCopies:
         self.h2d_stream = self.acc.Stream()
         self.d2h_stream = self.acc.Stream()
         self.side_stream = self.acc.Stream()  # speculated updates: backward does not wait for them
+        # the streams ``alloc`` records its buffers on, by ``used_by``
+        self._recorded_on = {COPIES: (self.h2d_stream, self.d2h_stream, self.side_stream),
+                             SIDE: (self.side_stream, ), JOINED: ()}
 
     def _event(self, stream, timing=False):
         ev = self.acc.Event(enable_timing=timing)
@@ -119,10 +122,8 @@ class AsyncCopies:
         #   an error), the holder calls ``release`` first.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
-        streams = {COPIES: (self.h2d_stream, self.d2h_stream, self.side_stream), SIDE: (self.side_stream, ),
-                   JOINED: ()}[used_by]
         for buf in bufs.values():
-            for stream in streams:
+            for stream in self._recorded_on[used_by]:
                 buf.record_stream(stream)
         return bufs, self._event(self.acc.current_stream())
 
