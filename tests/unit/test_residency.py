@@ -369,7 +369,8 @@ def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by)
     numel = {torch.float32: 1 << 22}
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    bufs, ready = copies.alloc(numel, used_by="joined" if used_by == "released" else used_by)
+    alloc_as = "joined" if used_by == "released" else used_by
+    bufs, ready = copies.alloc(numel, used_by=alloc_as)
     ptr = bufs[torch.float32].data_ptr()
     with copies.side():
         copies.compute_waits(ready)
@@ -380,9 +381,9 @@ def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by)
     else:
         copies.join_side()
     del bufs
-    again, _ = copies.alloc(numel, used_by=used_by if used_by != "released" else "joined")
+    again, _ = copies.alloc(numel, used_by=alloc_as)
     reused = again[torch.float32].data_ptr() == ptr
-    again[torch.float32].fill_(2.0)  # on the compute stream, after the join
+    again[torch.float32].fill_(2.0)  # on the compute stream
     torch.cuda.synchronize()
     assert reused == (used_by == "joined"), ("the joined block was not reused" if used_by == "joined" else
                                              "the block was reused while the side stream still ran")
