@@ -16,7 +16,7 @@ TIMELINE_HELP = "resident and the stream modes (stream, stream_overlap, stream@B
 
 # What identifies a run (the rest says where its output goes or how it is driven; a preset is
 # identified by the sizes it sets, which are compared).
-NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "profile", "timeout", "worker", "result_file", "preset")
+NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "profile", "memory_history", "timeout", "worker", "result_file", "preset")
 
 
 def build_parser(ap=None):
@@ -75,6 +75,10 @@ def build_parser(ap=None):
     ap.add_argument("--profile", default=None,
                     help="directory for a torch.profiler trace of two more iterations of " + TIMELINE_HELP +
                     " (each mode's summary per stream goes into its result)")
+    ap.add_argument("--memory-history", action="store_true",
+                    help="run every iteration of " + TIMELINE_HELP + " under the CUDA allocator's history recorder "
+                    "(slower) and list each segment reserved after the first iteration: its size, iteration, "
+                    "phase, and DeepSpeed's or our call that needed it")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap

@@ -189,6 +189,17 @@ def _colocation_line(mode, r):
             f"{r['colocate_after_offload_GiB']:.2f} GiB, free for the rollout {r['colocate_free_GiB']:.1f} GiB")
 
 
+def _growth_lines(mode, r, shown=8):
+    """``--memory-history``: each segment the allocator reserved after the first iteration."""
+    grew = r["reserved_growth"]
+    lines = [f"{mode}: {len(grew)} segment(s) reserved after the first iteration"
+             + (" (the history's oldest entries were dropped)" if r.get("reserved_growth_truncated") else "")]
+    for g in grew[:shown]:
+        lines.append(f"  {g['MiB']:.0f} MiB in iteration {g['iteration']} {g['phase']}: in use {g['active_GiB']:.2f}, "
+                     f"reserved {g['reserved_GiB']:.2f} GiB after it; " + " < ".join(g["frames"][:4]))
+    return lines
+
+
 def report(summary):
     """The text printed at the end of a run: the table and one line per figure worth reading."""
     results, floor_s = summary["results"], summary.get("floor_s")
@@ -204,6 +215,7 @@ def report(summary):
     lines += [_speculation_line(mode, r["by_speculation"]) for mode, r in results.items() if r.get("by_speculation")]
     lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
     lines += [_colocation_line(mode, r) for mode, r in results.items() if "colocate_offload_s" in r]
+    lines += [x for mode, r in results.items() if "reserved_growth" in r for x in _growth_lines(mode, r)]
     ck = results.get("checkpoint", {})
     if "sync_save_s" in ck:
         lines.append(_checkpoint_line(ck))

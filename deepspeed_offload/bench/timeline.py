@@ -1,5 +1,9 @@
 """The memory timeline: one more iteration under the CUDA allocator's history recorder, and the
-bytes in use over it rebuilt from the recorder's trace."""
+bytes in use over it rebuilt from the recorder's trace; and, over every iteration of a mode
+(``--memory-history``), where the allocator reserved more memory: which allocation, in which
+iteration and phase, from which of DeepSpeed's or our calls."""
+
+import contextlib
 
 import torch
 
@@ -66,3 +70,80 @@ def timeline_from_trace(trace, marks, base_bytes, max_points=3000, max_entries=N
             "marks_s": {k: (v - start) / 1e6 for k, v in marks.items()},
             # the ring buffer wrapped before the iteration ended: its start is missing
             "truncated": bool(max_entries and len(trace) >= max_entries and first is not None and first > start)}
+
+
+# The Python frames kept per growth: DeepSpeed's and ours, innermost first.
+GROWTH_FRAMES = 8
+
+
+@contextlib.contextmanager
+def recording(acc, max_entries=TRACE_MAX_ENTRIES):
+    """The CUDA allocator's history over the block (with each allocation's Python stack). Yields a
+    dict that gets, at the block's end, ``trace`` (the device's entries), ``active_start`` and
+    ``reserved_end`` (bytes in use at its start, reserved at its end) and ``truncated`` (the ring buffer dropped the oldest entries); nothing off CUDA."""
+    got = {}
+    if acc.device_name() != "cuda":
+        yield got
+        return
+    mem = torch.cuda.memory
+    acc.synchronize()
+    got["active_start"] = torch.cuda.memory_stats()["active_bytes.all.current"]
+    mem._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=max_entries,
+                               clear_history=True)
+    try:
+        yield got
+        acc.synchronize()
+        trace = mem._snapshot()["device_traces"][torch.cuda.current_device()]
+        got.update(trace=trace, reserved_end=torch.cuda.memory_reserved(), truncated=len(trace) >= max_entries)
+    finally:
+        mem._record_memory_history(enabled=None)
+
+
+def growth(trace, active_start, reserved_end, marks, after=-1):
+    """Each time the allocator reserved a new segment (``segment_alloc``) from iteration ``after`` on
+    (-1: also before the first):
+    ``iteration`` (its index in ``marks``; ``len(marks)`` for the pipelined run after them), ``phase``
+    (forward, backward, step), ``MiB`` (the segment), ``stream`` (the pool it went to), ``reserved_GiB``
+    (reserved after it), ``active_GiB`` (in use just before it, counted from ``active_start`` along
+    the trace, a block until its ``free_completed``: reserved less this is what the free blocks held
+    and could not serve) and ``frames`` (DeepSpeed's and our frames of the allocation,
+    innermost first). ``marks``: one dict per iteration with the clock at ``forward``, ``backward``,
+    ``step`` and ``end`` (``loop.Loop.iteration``)."""
+    entries = sorted((e for e in trace if "time_us" in e), key=lambda e: e["time_us"])
+    # reserved at the trace's start: the end's, less what the trace reserved and released
+    reserved = reserved_end - sum(e["size"] if e["action"] == "segment_alloc" else -e["size"]
+                                  for e in entries if e["action"] in ("segment_alloc", "segment_free"))
+    active = active_start
+    out = []
+    for e in entries:
+        action = e["action"]
+        if action == "alloc":
+            active += e["size"]
+        elif action == "free_completed":
+            active -= e["size"]
+        elif action in ("segment_alloc", "segment_free"):
+            reserved += e["size"] if action == "segment_alloc" else -e["size"]
+            if action == "segment_alloc":
+                it, phase = _when(e["time_us"], marks)
+                if it >= after:
+                    out.append({"iteration": it, "phase": phase, "MiB": e["size"] / 2**20, "stream": e.get("stream"),
+                                "reserved_GiB": reserved / GiB, "active_GiB": active / GiB,
+                                "frames": [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+                                           for f in e.get("frames", []) if "deepspeed" in f["filename"]][:GROWTH_FRAMES]})
+    return out
+
+
+def _when(t_us, marks):
+    """(iteration, phase) of a clock value: the iteration whose forward began last at or before it,
+    and the last of its marks passed (``after``: between its end and the next forward); after the
+    last iteration's end, ``(len(marks), "pipelined")``."""
+    it, phase = -1, "before"
+    for k, m in enumerate(marks):
+        if t_us < m["forward"]:
+            break
+        it = k
+        phase = [name for name in ("forward", "backward", "step", "after")
+                 if m["end" if name == "after" else name] <= t_us][-1]
+    if marks and it == len(marks) - 1 and phase == "after":
+        return len(marks), "pipelined"
+    return it, phase

@@ -8,6 +8,7 @@ out of GPU memory is a result too: ``{"oom": true, "error": <the message's first
 "peak_before_GiB": ..., "last_progress": ...}`` with what was known by then (parameters, build times).
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -23,7 +24,7 @@ from .loop import GiB, Loop
 from .models import build_model, llama_classes, make_loss
 from .modes import describe, ds_config
 from .profile import profiled
-from .timeline import traced
+from .timeline import growth, recording, traced
 
 # DeepCompile compiles, profiles and re-applies its passes over the first steps: warm up longer.
 COMPILED_WARMUP = 6
@@ -102,14 +103,24 @@ def build_engine(mode, args, acc, progress):
 
 def measure(loop, args, progress):
     """Warm-up and measured iterations, then the pipelined run and, for a traced mode, one traced
-    iteration (``--timeline``) and two profiled ones (``--profile``); the measured iterations' figures."""
+    iteration (``--timeline``) and two profiled ones (``--profile``); the measured iterations' figures.
+    With ``--memory-history``, a traced mode's warm-up, measured and pipelined iterations run under
+    the allocator's history recorder, and every segment it reserved after the first iteration is listed
+    (``reserved_growth``)."""
     warmup = max(args.warmup, COMPILED_WARMUP) if loop.mode.compiled else args.warmup
-    rows = []
-    for k in range(warmup + args.iters):
-        rows.append(loop.iteration())
-        progress(f"iteration {k + 1} of {warmup + args.iters} ({rows[-1]['iter_s']:.3f} s)")
+    rows, marks = [], []
+    history = getattr(args, "memory_history", False) and loop.mode.traced
+    with recording(loop.acc) if history else contextlib.nullcontext({}) as got:
+        for k in range(warmup + args.iters):
+            marks.append({} if history else None)
+            rows.append(loop.iteration(marks[-1]))
+            progress(f"iteration {k + 1} of {warmup + args.iters} ({rows[-1]['iter_s']:.3f} s)")
+        pipelined = loop.pipelined(args.iters)
     out = results.from_rows(rows[warmup:])
-    out.update(loop.pipelined(args.iters))
+    out.update(pipelined)
+    if got:
+        out["reserved_growth"] = growth(got["trace"], got["active_start"], got["reserved_end"], marks, after=1)
+        out["reserved_growth_truncated"] = got["truncated"]
     if args.timeline and loop.mode.traced:
         out["timeline"] = traced(loop)
     if getattr(args, "profile", None) and loop.mode.traced:

@@ -435,6 +435,46 @@ def test_a_long_timeline_keeps_its_peak():
     assert tl["t_s"] == sorted(tl["t_s"])
 
 
+def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
+    GB = 10**9
+    marks = [{"forward": 1000, "backward": 1500, "step": 2000, "end": 3000},
+             {"forward": 4000, "backward": 4500, "step": 5000, "end": 6000}]
+    ours = {"filename": "/r/deepspeed_offload/runtime/residency.py", "line": 211, "name": "_slot"}
+    theirs = {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}
+    trace = [entry("segment_alloc", 1100, 4 * GB),  # first iteration: the pool being built, not listed
+             entry("alloc", 1100, 3 * GB),
+             entry("free_requested", 2100, 3 * GB),
+             {**entry("segment_alloc", 2200, 2 * GB), "frames": [theirs, ours]},  # the free block is not back yet
+             entry("alloc", 2200, 2 * GB),
+             entry("free_completed", 2600, 3 * GB),
+             entry("segment_free", 2700, 4 * GB),
+             {**entry("segment_alloc", 5100, 1 * GB), "stream": 7},
+             {**entry("segment_alloc", 6500, 1 * GB), "frames": [ours]}]
+    marks_2 = [marks[0], {**marks[1], "forward": 2150}]  # the second segment falls in iteration 1's forward
+    grew = timeline.growth(trace, active_start=5 * GB, reserved_end=20 * GB, marks=marks_2, after=1)
+    assert [(g["iteration"], g["phase"]) for g in grew] == [(1, "forward"), (1, "step"), (2, "pipelined")]
+    # reserved before the trace: 20 - (4 + 2 - 4 + 1 + 1) = 16 GB; in use counted from 5 GB until free_completed
+    assert [round(g["reserved_GiB"] * timeline.GiB / GB) for g in grew] == [22, 19, 20]
+    assert [round(g["active_GiB"] * timeline.GiB / GB) for g in grew] == [8, 7, 7]
+    assert grew[0]["frames"] == ["runtime/residency.py:211 _slot"] and grew[1]["stream"] == 7
+    assert grew[0]["MiB"] == 2 * GB / 2**20
+    # without an ``after``, the first iteration's segment is listed too; before any mark, iteration -1
+    every = timeline.growth(trace, 5 * GB, 20 * GB, marks)
+    assert [(g["iteration"], g["phase"]) for g in every][:2] == [(0, "forward"), (0, "step")]
+    assert timeline.growth([entry("segment_alloc", 10, GB)], 0, GB, marks)[0]["iteration"] == -1
+    assert timeline.growth([], 0, GB, marks) == []
+
+
+def test_the_report_lists_the_reserved_growth():
+    r = {"reserved_growth": [{"iteration": 4, "phase": "step", "MiB": 1502.0, "active_GiB": 40.5, "reserved_GiB": 57.45,
+                              "stream": 0, "frames": ["runtime/residency.py:211 _slot", "runtime/stream.py:90 step"]}],
+         "reserved_growth_truncated": True}
+    lines = reporting._growth_lines("stream_speculate", r)
+    assert lines[0] == "stream_speculate: 1 segment(s) reserved after the first iteration (the history's oldest entries were dropped)"
+    assert lines[1] == ("  1502 MiB in iteration 4 step: in use 40.50, reserved 57.45 GiB after it; "
+                        "runtime/residency.py:211 _slot < runtime/stream.py:90 step")
+
+
 def png(path):
     return Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
