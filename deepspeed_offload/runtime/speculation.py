@@ -121,6 +121,8 @@ class Speculation:
         self._final_event: Dict[int, object] = {}
         self.updated: Dict[int, Speculated] = {}
         self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
+        # sub-groups whose update a second reduction in the same backward voided: they wait for the step
+        self.reduced_again: set = set()
         self._guarded = False
 
     def describe(self) -> str:
@@ -164,12 +166,12 @@ class Speculation:
             seen = self._seen.setdefault(i, set())
             if p.ds_id in seen:  # reduced again in this backward (reentrant checkpointing)
                 if i in self.updated:
-                    self.discard_all("gradient changed")  # updated from the gradient before this one
+                    self.discard(i, "gradient changed")  # updated from the gradient before this one
                 elif i in self._final:
                     self._final_event[i] = self.mode.copies.mark()  # the update waits for this copy too
                 continue
             seen.add(p.ds_id)
-            if len(seen) == self.needed[i]:
+            if len(seen) == self.needed[i] and i not in self.reduced_again:
                 self._final.append(i)
                 self._final_order.append(i)
                 self._final_event[i] = self.mode.copies.mark()
@@ -350,11 +352,24 @@ class Speculation:
         self.mode.copies.join_side()  # the next forward reads the committed 16-bit partitions
         self.committing = {}  # the casts, after the join (``JOINED``)
 
+    def discard(self, i: int, why: str):
+        """Drop sub-group ``i``'s update alone (``why``: counted): its gradient changed after it, the other
+        updates stand. Its current region was never written; the step updates it as if it had not
+        speculated, and so will every later step (``reduced_again``). Called where DeepSpeed reduces, maybe on
+        its reduction stream: the cast is released recorded on the side stream (``discard_all``)."""
+        spec = self.updated.pop(i)
+        self.mode.copies.release(spec.lp)
+        self.reduced_again.add(i)
+        self.counters.discarded += 1
+        self.counters.reasons[why] = self.counters.reasons.get(why, 0) + 1
+        if self.mode.stats is not None:
+            self.mode.stats.discarded += 1
+
     def discard_all(self, why: str):
         """Drop every update not committed (``why``: counted): the current regions were never written.
         The current stream waits for the side stream (a step that raised may have queued commits' copies
-        there). That may be DeepSpeed's reduction stream (a gradient reduced again in backward), not the
-        one the casts came from, so they are released to the allocator recorded on the side stream."""
+        there). Callers outside the step (a writer of host state, ``offload_states``) may run on another
+        stream than the one the casts came from, so they are released recorded on the side stream."""
         self.mode.copies.join_side()
         self.mode.copies.release(*[s.lp for s in self.updated.values()],
                                  *[lp for lp in self.committing.values() if lp is not None])

@@ -37,8 +37,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class Net(torch.nn.Module):
     """Layers of different sizes, so sub-groups split unevenly; optional frozen and late layers."""
 
-    def __init__(self, hidden, frozen, late, tied=False):
+    def __init__(self, hidden, frozen, late, tied=False, reentrant=False):
         super().__init__()
+        self.reentrant = reentrant
         self.inp = torch.nn.Linear(hidden, 2 * hidden)
         self.mid = torch.nn.Linear(2 * hidden, hidden)
         self.out = torch.nn.Linear(hidden, 1)
@@ -55,7 +56,12 @@ class Net(torch.nn.Module):
             h = h + self.frozen(h)
         if self.late is not None and use_late:
             h = h + self.late(h)
-        if self.tied is not None:
+        if self.tied is not None and self.reentrant:
+            # each use of the tied weight in a reentrant checkpoint of its own: backward recomputes and
+            # differentiates them one after the other, so its gradient is reduced twice
+            a = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.tied(t)), h, use_reentrant=True)
+            h = h + torch.utils.checkpoint.checkpoint(self.tied, a, use_reentrant=True)
+        elif self.tied is not None:
             h = h + self.tied(torch.tanh(self.tied(h)))
         return self.out(h)
 
@@ -358,7 +364,8 @@ def train_with(spec):
         deepspeed.init_distributed()
     # DeepCompile expects the model partitioned as it is built, the way large models are
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=spec.get("zero_init", False)):
-        model = Net(hidden, spec.get("frozen", False), spec.get("late", False), spec.get("tied", False))
+        model = Net(hidden, spec.get("frozen", False), spec.get("late", False), spec.get("tied", False),
+                    spec.get("reentrant", False))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if spec.get("two_groups"):
         groups = [{"params": [p for n, p in trainable if n.startswith("inp")]},

@@ -2,9 +2,10 @@
 backward before the gradient norm is known, committed when the norm allows, discarded when clipping
 fires, the loss scale moves or a step overflows. 2 gloo ranks (the norm is all-reduced), many
 sub-groups (one parameter each), two param groups, a frozen layer, a layer unused in the first steps,
-a weight used twice; torch AdamW. Each case trains plain ZeRO-3 and the offload variants in one
-launch, from the same seed, and compares every loss, fp32 master and optimizer state with
-``torch.equal``; the counters show that the path under test really ran (commits, discards).
+a weight used twice (in one case in two reentrant checkpoints, so its gradient is reduced twice);
+torch AdamW. Each case trains plain ZeRO-3 and the offload variants in one launch, from the same
+seed, and compares every loss, fp32 master and optimizer state with ``torch.equal``; the counters
+show that the path under test really ran (commits, discards).
 
 A negative control commits without the norm check while clipping fires on some steps: parity must
 break. The ``deferred`` variants run every copy only when something waits for it
@@ -45,6 +46,11 @@ CASES = {
     # the cap together
     "early_cap": dict(clip=HUGE, early_cap_share=0.5,
                       extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1, "reduce_bucket_size": 64}}),
+    # the tied weight's two uses in reentrant checkpoints of their own: its gradient is reduced twice in
+    # backward (in buckets of one gradient each: DeepSpeed refuses a parameter twice in one bucket), so an
+    # update from the first reduction is void
+    "reentrant_tied": dict(clip=HUGE, reentrant=True,
+                           extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1, "reduce_bucket_size": 64}}),
     # a gradient edited with safe_set_full_grad between backward and the step voids the updates
     "gradient_written": dict(clip=HUGE, set_grad_at=[2, 4]),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
@@ -100,6 +106,13 @@ def test_speculation_parity(tmp_path, case):
             assert c["committed"] > 0 and c["discarded"] == 0, c
             cap, held = ours["early_cap"], ours["early_held_max"]
             assert cap - max(ours["handle"]["nbytes"]) < held <= cap, (held, cap)  # the cap bound, and was reached
+        elif case == "reentrant_tied":
+            # the tied layer's two sub-groups (weight, bias), updated before their second reduction in
+            # the second step, are discarded alone and do not speculate again; the other updates commit
+            assert c["reasons"] == {"gradient changed": 2} and c["discarded"] == 2 and c["rollback_steps"] == 0, c
+            assert c["commit_steps"] == steps - 1 and c["committed"] == c["speculated"] - 2, c
+            assert [s["discarded"] for s in per_step] == [0, 2, 0, 0, 0, 0], per_step
+            assert all(s["committed"] == len(c["members"]) - 2 for s in per_step[3:]), per_step
         elif case == "gradient_written":
             assert c["reasons"] == {"gradient written": 2} and c["committed"] > 0, c
         elif case == "fp16_scale_moves":
