@@ -77,8 +77,8 @@ def build_parser(ap=None):
                     " (each mode's summary per stream goes into its result)")
     ap.add_argument("--memory-history", action="store_true",
                     help="run every iteration of " + TIMELINE_HELP + " under the CUDA allocator's history recorder "
-                    "(slower) and list each segment reserved after the first iteration: its size, iteration, "
-                    "phase, and DeepSpeed's or our call that needed it")
+                    "(slower) and list each time it reserved more after the first iteration (a segment, or pages of an "
+                    "expandable one): its size, iteration, phase, and DeepSpeed's or our call that needed it")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap

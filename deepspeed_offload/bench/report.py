@@ -190,9 +190,9 @@ def _colocation_line(mode, r):
 
 
 def _growth_lines(mode, r, shown=8):
-    """``--memory-history``: each segment the allocator reserved after the first iteration."""
+    """``--memory-history``: each time the allocator reserved more after the first iteration."""
     grew = r["reserved_growth"]
-    lines = [f"{mode}: {len(grew)} segment(s) reserved after the first iteration"
+    lines = [f"{mode}: reserved memory grew {len(grew)} time(s) after the first iteration"
              + (" (the history's oldest entries were dropped)" if r.get("reserved_growth_truncated") else "")]
     for g in grew[:shown]:
         lines.append(f"  {g['MiB']:.0f} MiB in iteration {g['iteration']} {g['phase']}: in use {g['active_GiB']:.2f}, "

@@ -72,6 +72,9 @@ def timeline_from_trace(trace, marks, base_bytes, max_points=3000, max_entries=N
             "truncated": bool(max_entries and len(trace) >= max_entries and first is not None and first > start)}
 
 
+# The trace's actions that change the reserved bytes: a segment of its own (cudaMalloc, cudaFree), or
+# pages mapped into or out of an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+RESERVES = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 # The Python frames kept per growth: DeepSpeed's and ours, innermost first.
 GROWTH_FRAMES = 8
 
@@ -100,10 +103,11 @@ def recording(acc, max_entries=TRACE_MAX_ENTRIES):
 
 
 def growth(trace, active_start, reserved_end, marks, after=-1):
-    """Each time the allocator reserved a new segment (``segment_alloc``) from iteration ``after`` on
+    """Each time the allocator reserved more memory (a new segment, or pages mapped into an expandable
+    one: ``RESERVES``) from iteration ``after`` on
     (-1: also before the first):
     ``iteration`` (its index in ``marks``; ``len(marks)`` for the pipelined run after them), ``phase``
-    (forward, backward, step), ``MiB`` (the segment), ``stream`` (the pool it went to), ``reserved_GiB``
+    (forward, backward, step), ``MiB`` (reserved by it), ``stream`` (the pool it went to), ``reserved_GiB``
     (reserved after it), ``active_GiB`` (in use just before it, counted from ``active_start`` along
     the trace, a block until its ``free_completed``: reserved less this is what the free blocks held
     and could not serve) and ``frames`` (DeepSpeed's and our frames of the allocation,
@@ -111,8 +115,7 @@ def growth(trace, active_start, reserved_end, marks, after=-1):
     ``step`` and ``end`` (``loop.Loop.iteration``)."""
     entries = sorted((e for e in trace if "time_us" in e), key=lambda e: e["time_us"])
     # reserved at the trace's start: the end's, less what the trace reserved and released
-    reserved = reserved_end - sum(e["size"] if e["action"] == "segment_alloc" else -e["size"]
-                                  for e in entries if e["action"] in ("segment_alloc", "segment_free"))
+    reserved = reserved_end - sum(RESERVES.get(e["action"], 0) * e["size"] for e in entries)
     active = active_start
     out = []
     for e in entries:
@@ -121,9 +124,9 @@ def growth(trace, active_start, reserved_end, marks, after=-1):
             active += e["size"]
         elif action == "free_completed":
             active -= e["size"]
-        elif action in ("segment_alloc", "segment_free"):
-            reserved += e["size"] if action == "segment_alloc" else -e["size"]
-            if action == "segment_alloc":
+        elif action in RESERVES:
+            reserved += RESERVES[action] * e["size"]
+            if RESERVES[action] > 0:
                 it, phase = _when(e["time_us"], marks)
                 if it >= after:
                     out.append({"iteration": it, "phase": phase, "MiB": e["size"] / 2**20, "stream": e.get("stream"),

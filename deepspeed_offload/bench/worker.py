@@ -105,7 +105,7 @@ def measure(loop, args, progress):
     """Warm-up and measured iterations, then the pipelined run and, for a traced mode, one traced
     iteration (``--timeline``) and two profiled ones (``--profile``); the measured iterations' figures.
     With ``--memory-history``, a traced mode's warm-up, measured and pipelined iterations run under
-    the allocator's history recorder, and every segment it reserved after the first iteration is listed
+    the allocator's history recorder, and each time it reserved more after the first iteration is listed
     (``reserved_growth``)."""
     warmup = max(args.warmup, COMPILED_WARMUP) if loop.mode.compiled else args.warmup
     rows, marks = [], []

@@ -449,7 +449,7 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
              entry("free_completed", 2600, 3 * GB),
              entry("segment_free", 2700, 4 * GB),
              {**entry("segment_alloc", 5100, 1 * GB), "stream": 7},
-             {**entry("segment_alloc", 6500, 1 * GB), "frames": [ours]}]
+             {**entry("segment_map", 6500, 1 * GB), "frames": [ours]}]  # an expandable segment grew
     marks_2 = [marks[0], {**marks[1], "forward": 2150}]  # the second segment falls in iteration 1's forward
     grew = timeline.growth(trace, active_start=5 * GB, reserved_end=20 * GB, marks=marks_2, after=1)
     assert [(g["iteration"], g["phase"]) for g in grew] == [(1, "forward"), (1, "step"), (2, "pipelined")]
@@ -462,6 +462,7 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
     every = timeline.growth(trace, 5 * GB, 20 * GB, marks)
     assert [(g["iteration"], g["phase"]) for g in every][:2] == [(0, "forward"), (0, "step")]
     assert timeline.growth([entry("segment_alloc", 10, GB)], 0, GB, marks)[0]["iteration"] == -1
+    assert timeline.growth([entry("segment_unmap", 10, GB)], 0, GB, marks) == []
     assert timeline.growth([], 0, GB, marks) == []
 
 
@@ -470,7 +471,7 @@ def test_the_report_lists_the_reserved_growth():
                               "stream": 0, "frames": ["runtime/residency.py:211 _slot", "runtime/stream.py:90 step"]}],
          "reserved_growth_truncated": True}
     lines = reporting._growth_lines("stream_speculate", r)
-    assert lines[0] == "stream_speculate: 1 segment(s) reserved after the first iteration (the history's oldest entries were dropped)"
+    assert lines[0] == "stream_speculate: reserved memory grew 1 time(s) after the first iteration (the history's oldest entries were dropped)"
     assert lines[1] == ("  1502 MiB in iteration 4 step: in use 40.50, reserved 57.45 GiB after it; "
                         "runtime/residency.py:211 _slot < runtime/stream.py:90 step")
 
