@@ -1,7 +1,7 @@
 """``deepspeed-offload env``: what a bug report about this package needs to know about the machine.
 
 Like ``ds_report`` and ``accelerate env``, but about what offload depends on: the versions of the
-stack, the accelerator, how much host memory can be pinned (``ulimit -l``, MemAvailable, the cgroup
+stack, the accelerator, the caching allocator's settings, how much host memory can be pinned (``ulimit -l``, MemAvailable, the cgroup
 limit, a real 64 MiB pin on a GPU), /dev/shm, the pinned copy bandwidth each way and both at once
 (measured with ``bandwidth.bandwidth``, the benchmark's own probe), and whether DeepCompile can load for
 compile mode.
@@ -35,6 +35,9 @@ from .host_memory import HostMemory, format_bytes, gpu_bus_id, meminfo, numa_nod
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
 BANDWIDTH_GIB = 1
+# The CUDA caching allocator's settings (torch reads the first, and the second under its older name):
+# expandable_segments changes how much memory it reserves around the same allocations.
+ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 BUILD_ENV = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR",
              "DS_BUILD_OPS")
 
@@ -122,6 +125,12 @@ def probe_build_env():
     """The environment variables that decide which accelerator DeepSpeed picks and how its JIT ops
     (FusedAdam, DeepCompile) build, where set."""
     return {k: os.environ[k] for k in BUILD_ENV if k in os.environ}
+
+
+def probe_allocator_conf():
+    """The CUDA caching allocator's settings from the environment, where set (``expandable_segments``
+    lowers the reserved peak where the pool fragments: docs/configuration.md, ``speculate_memory_gb``)."""
+    return {k: os.environ[k] for k in ALLOC_CONF_ENV if k in os.environ} or "unset"
 
 
 def probe_accelerator():
@@ -265,6 +274,7 @@ PROBES = [
     ("accelerate", _distribution("accelerate")),
     ("lightning", _distribution("lightning", "pytorch-lightning")),
     ("build_env", probe_build_env),
+    ("allocator_conf", probe_allocator_conf),
     ("accelerator", probe_accelerator),
     ("device_count", probe_device_count),
     ("devices", probe_devices),
@@ -322,6 +332,7 @@ FORMATS = {
     "build_env": lambda v: ", ".join(f"{k}={val}" for k, val in v.items()) or "none of " + " ".join(BUILD_ENV),
     "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "
                                     f"PCI {d['pci']}, NUMA node {d['numa_node']}" for i, d in enumerate(ds)),
+    "allocator_conf": lambda v: v if isinstance(v, str) else ", ".join(f"{k}={val}" for k, val in v.items()),
     "numa_nodes": lambda v: f"{len(v)} ({', '.join(map(str, v))})",
     "memlock_limit": lambda v: f"soft {_fmt_bytes(v['soft'])}, hard {_fmt_bytes(v['hard'])}",
     "host_memory": lambda v: (f"{format_bytes(v['available'])} available of {format_bytes(v['total'])}; the "

@@ -79,6 +79,17 @@ def test_build_env_and_the_arch_list_hint(monkeypatch):
         envinfo.probe_deepcompile()
 
 
+def test_the_allocator_settings_are_reported_where_set(monkeypatch):
+    for name in envinfo.ALLOC_CONF_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert envinfo.probe_allocator_conf() == "unset"
+    assert envinfo.FORMATS["allocator_conf"]("unset") == "unset"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    conf = envinfo.probe_allocator_conf()
+    assert conf == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert envinfo.FORMATS["allocator_conf"](conf) == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
 def test_accelerator_memory_and_shm_are_the_machines(report):
     acc = get_accelerator()
     assert report["accelerator"] == acc.device_name()
