@@ -35,9 +35,9 @@ from .host_memory import HostMemory, format_bytes, gpu_bus_id, meminfo, numa_nod
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
 BANDWIDTH_GIB = 1
-# The CUDA caching allocator's settings (torch reads the first, and the second under its older name):
-# expandable_segments changes how much memory it reserves around the same allocations.
-ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# The caching allocator's settings, under each name torch reads (which one wins depends on the torch
+# version): expandable_segments changes how much memory it reserves around the same allocations.
+ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 BUILD_ENV = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR",
              "DS_BUILD_OPS")
 

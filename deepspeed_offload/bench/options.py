@@ -16,7 +16,7 @@ TIMELINE_HELP = "resident and the stream modes (stream, stream_overlap, stream@B
 
 # What identifies a run (the rest says where its output goes or how it is driven; a preset is
 # identified by the sizes it sets, which are compared).
-NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "profile", "memory_history", "timeout", "worker", "result_file", "preset")
+NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "profile", "timeout", "worker", "result_file", "preset")
 
 
 def build_parser(ap=None):

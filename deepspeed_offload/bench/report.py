@@ -192,11 +192,13 @@ def _colocation_line(mode, r):
 def _growth_lines(mode, r, shown=8):
     """``--memory-history``: each time the allocator reserved more after the first iteration."""
     grew = r["reserved_growth"]
-    lines = [f"{mode}: reserved memory grew {len(grew)} time(s) after the first iteration"
+    lines = [f"{mode}: reserved memory grew {len(grew)} time(s) after the first iteration (its times were "
+             "measured with the allocator's history recorder on)"
              + (" (the history's oldest entries were dropped)" if r.get("reserved_growth_truncated") else "")]
     for g in grew[:shown]:
-        lines.append(f"  {g['MiB']:.0f} MiB in iteration {g['iteration']} {g['phase']}: in use {g['active_GiB']:.2f}, "
-                     f"reserved {g['reserved_GiB']:.2f} GiB after it; " + " < ".join(g["frames"][:4]))
+        lines.append(f"  {g['MiB']:.0f} MiB in iteration {g['iteration']} {g['phase']}, with {g['active_GiB']:.2f} "
+                     f"of {g['reserved_GiB']:.2f} GiB reserved in use" + "".join(f" < {f}" if k else f": {f}"
+                                                                          for k, f in enumerate(g["frames"][:4])))
     return lines
 
 

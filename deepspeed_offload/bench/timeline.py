@@ -4,6 +4,7 @@ bytes in use over it rebuilt from the recorder's trace; and, over every iteratio
 iteration and phase, from which of DeepSpeed's or our calls."""
 
 import contextlib
+import re
 
 import torch
 
@@ -75,64 +76,64 @@ def timeline_from_trace(trace, marks, base_bytes, max_points=3000, max_entries=N
 # The trace's actions that change the reserved bytes: a segment of its own (cudaMalloc, cudaFree), or
 # pages mapped into or out of an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
 RESERVES = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-# The Python frames kept per growth: DeepSpeed's and ours, innermost first.
+# ... and those that change the bytes in use (a block counts until the streams that used it are done).
+IN_USE = {"alloc": 1, "free_completed": -1}
+# The Python frames kept per growth: DeepSpeed's and ours (a file inside either package), innermost first.
+OURS = re.compile(r"/(deepspeed|deepspeed_offload)/")
 GROWTH_FRAMES = 8
 
 
 @contextlib.contextmanager
 def recording(acc, max_entries=TRACE_MAX_ENTRIES):
     """The CUDA allocator's history over the block (with each allocation's Python stack). Yields a
-    dict that gets, at the block's end, ``trace`` (the device's entries), ``active_start`` and
-    ``reserved_end`` (bytes in use at its start, reserved at its end) and ``truncated`` (the ring buffer dropped the oldest entries); nothing off CUDA."""
+    dict that gets, at the block's end, ``trace`` (the device's entries), ``active_end`` and
+    ``reserved_end`` (bytes in use and reserved then) and ``truncated`` (the ring buffer dropped the
+    oldest entries); nothing off CUDA."""
     got = {}
     if acc.device_name() != "cuda":
         yield got
         return
     mem = torch.cuda.memory
     acc.synchronize()
-    got["active_start"] = torch.cuda.memory_stats()["active_bytes.all.current"]
     mem._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=max_entries,
                                clear_history=True)
     try:
         yield got
         acc.synchronize()
         trace = mem._snapshot()["device_traces"][torch.cuda.current_device()]
-        got.update(trace=trace, reserved_end=torch.cuda.memory_reserved(), truncated=len(trace) >= max_entries)
+        got.update(trace=trace, active_end=torch.cuda.memory_stats()["active_bytes.all.current"],
+                   reserved_end=torch.cuda.memory_reserved(), truncated=len(trace) >= max_entries)
     finally:
         mem._record_memory_history(enabled=None)
 
 
-def growth(trace, active_start, reserved_end, marks, after=-1):
+def growth(trace, active_end, reserved_end, marks, after=-1):
     """Each time the allocator reserved more memory (a new segment, or pages mapped into an expandable
-    one: ``RESERVES``) from iteration ``after`` on
-    (-1: also before the first):
-    ``iteration`` (its index in ``marks``; ``len(marks)`` for the pipelined run after them), ``phase``
-    (forward, backward, step), ``MiB`` (reserved by it), ``stream`` (the pool it went to), ``reserved_GiB``
-    (reserved after it), ``active_GiB`` (in use just before it, counted from ``active_start`` along
-    the trace, a block until its ``free_completed``: reserved less this is what the free blocks held
-    and could not serve) and ``frames`` (DeepSpeed's and our frames of the allocation,
-    innermost first). ``marks``: one dict per iteration with the clock at ``forward``, ``backward``,
-    ``step`` and ``end`` (``loop.Loop.iteration``)."""
+    one: ``RESERVES``) from iteration ``after`` on (-1: also before the first): ``iteration`` (its
+    index in ``marks``; ``len(marks)`` for the pipelined run after them), ``phase`` (forward,
+    backward, step, after), ``MiB`` (reserved by it), ``stream`` (the pool it went to), and just before
+    it ``reserved_GiB`` and ``active_GiB`` (in use, a block until its ``free_completed``: the
+    difference was free, reusable, and still could not serve the allocation), and ``frames``
+    (DeepSpeed's and our frames of the allocation, innermost first). Both byte counts are rebuilt
+    backwards from the end's (``active_end``, ``reserved_end``), so they hold where the ring buffer
+    dropped the oldest entries. ``marks``: one dict per iteration with the clock at ``forward``,
+    ``backward``, ``step`` and ``end`` (``loop.Loop.iteration``)."""
     entries = sorted((e for e in trace if "time_us" in e), key=lambda e: e["time_us"])
-    # reserved at the trace's start: the end's, less what the trace reserved and released
+    # at the trace's start: the end's, less what the trace added
     reserved = reserved_end - sum(RESERVES.get(e["action"], 0) * e["size"] for e in entries)
-    active = active_start
+    active = active_end - sum(IN_USE.get(e["action"], 0) * e["size"] for e in entries)
     out = []
     for e in entries:
         action = e["action"]
-        if action == "alloc":
-            active += e["size"]
-        elif action == "free_completed":
-            active -= e["size"]
-        elif action in RESERVES:
-            reserved += RESERVES[action] * e["size"]
-            if RESERVES[action] > 0:
-                it, phase = _when(e["time_us"], marks)
-                if it >= after:
-                    out.append({"iteration": it, "phase": phase, "MiB": e["size"] / 2**20, "stream": e.get("stream"),
-                                "reserved_GiB": reserved / GiB, "active_GiB": active / GiB,
-                                "frames": [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
-                                           for f in e.get("frames", []) if "deepspeed" in f["filename"]][:GROWTH_FRAMES]})
+        if RESERVES.get(action, 0) > 0:
+            it, phase = _when(e["time_us"], marks)
+            if it >= after:
+                out.append({"iteration": it, "phase": phase, "MiB": e["size"] / 2**20, "stream": e.get("stream"),
+                            "reserved_GiB": reserved / GiB, "active_GiB": active / GiB,
+                            "frames": [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+                                       for f in e.get("frames", []) if OURS.search(f["filename"])][:GROWTH_FRAMES]})
+        reserved += RESERVES.get(action, 0) * e["size"]
+        active += IN_USE.get(action, 0) * e["size"]
     return out
 
 

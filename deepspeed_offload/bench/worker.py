@@ -106,7 +106,8 @@ def measure(loop, args, progress):
     iteration (``--timeline``) and two profiled ones (``--profile``); the measured iterations' figures.
     With ``--memory-history``, a traced mode's warm-up, measured and pipelined iterations run under
     the allocator's history recorder, and each time it reserved more after the first iteration is listed
-    (``reserved_growth``)."""
+    (``reserved_growth``); the times are then the recorder's (slower), and the result says so
+    (``memory_history``)."""
     warmup = max(args.warmup, COMPILED_WARMUP) if loop.mode.compiled else args.warmup
     rows, marks = [], []
     history = getattr(args, "memory_history", False) and loop.mode.traced
@@ -119,8 +120,9 @@ def measure(loop, args, progress):
     out = results.from_rows(rows[warmup:])
     out.update(pipelined)
     if got:
-        out["reserved_growth"] = growth(got["trace"], got["active_start"], got["reserved_end"], marks, after=1)
+        out["reserved_growth"] = growth(got["trace"], got["active_end"], got["reserved_end"], marks, after=1)
         out["reserved_growth_truncated"] = got["truncated"]
+        out["memory_history"] = True
     if args.timeline and loop.mode.traced:
         out["timeline"] = traced(loop)
     if getattr(args, "profile", None) and loop.mode.traced:

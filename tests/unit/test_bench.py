@@ -451,15 +451,19 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
              {**entry("segment_alloc", 5100, 1 * GB), "stream": 7},
              {**entry("segment_map", 6500, 1 * GB), "frames": [ours]}]  # an expandable segment grew
     marks_2 = [marks[0], {**marks[1], "forward": 2150}]  # the second segment falls in iteration 1's forward
-    grew = timeline.growth(trace, active_start=5 * GB, reserved_end=20 * GB, marks=marks_2, after=1)
+    grew = timeline.growth(trace, active_end=7 * GB, reserved_end=20 * GB, marks=marks_2, after=1)
     assert [(g["iteration"], g["phase"]) for g in grew] == [(1, "forward"), (1, "step"), (2, "pipelined")]
-    # reserved before the trace: 20 - (4 + 2 - 4 + 1 + 1) = 16 GB; in use counted from 5 GB until free_completed
-    assert [round(g["reserved_GiB"] * timeline.GiB / GB) for g in grew] == [22, 19, 20]
+    # both counted backwards from the end, just before each growth: reserved 20 - (4 + 2 - 4 + 1 + 1) = 16 GB
+    # at the start; in use 7 - (3 + 2 - 3) = 5 GB, a block until its free_completed
+    assert [round(g["reserved_GiB"] * timeline.GiB / GB) for g in grew] == [20, 18, 19]
     assert [round(g["active_GiB"] * timeline.GiB / GB) for g in grew] == [8, 7, 7]
+    # a ring buffer that dropped the first entries: the same counts for what it kept
+    kept = timeline.growth(trace[2:], active_end=7 * GB, reserved_end=20 * GB, marks=marks_2, after=1)
+    assert [(g["reserved_GiB"], g["active_GiB"]) for g in kept] == [(g["reserved_GiB"], g["active_GiB"]) for g in grew]
     assert grew[0]["frames"] == ["runtime/residency.py:211 _slot"] and grew[1]["stream"] == 7
     assert grew[0]["MiB"] == 2 * GB / 2**20
     # without an ``after``, the first iteration's segment is listed too; before any mark, iteration -1
-    every = timeline.growth(trace, 5 * GB, 20 * GB, marks)
+    every = timeline.growth(trace, 7 * GB, 20 * GB, marks)
     assert [(g["iteration"], g["phase"]) for g in every][:2] == [(0, "forward"), (0, "step")]
     assert timeline.growth([entry("segment_alloc", 10, GB)], 0, GB, marks)[0]["iteration"] == -1
     assert timeline.growth([entry("segment_unmap", 10, GB)], 0, GB, marks) == []
@@ -467,13 +471,17 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
 
 
 def test_the_report_lists_the_reserved_growth():
-    r = {"reserved_growth": [{"iteration": 4, "phase": "step", "MiB": 1502.0, "active_GiB": 40.5, "reserved_GiB": 57.45,
-                              "stream": 0, "frames": ["runtime/residency.py:211 _slot", "runtime/stream.py:90 step"]}],
+    r = {"reserved_growth": [{"iteration": 4, "phase": "step", "MiB": 1502.0, "active_GiB": 46.4, "reserved_GiB": 55.98,
+                              "stream": 0, "frames": ["runtime/residency.py:211 _slot", "runtime/stream.py:90 step"]},
+                             {"iteration": 5, "phase": "backward", "MiB": 20.0, "active_GiB": 40.0, "reserved_GiB": 57.45,
+                              "stream": 0, "frames": []}],
          "reserved_growth_truncated": True}
     lines = reporting._growth_lines("stream_speculate", r)
-    assert lines[0] == "stream_speculate: reserved memory grew 1 time(s) after the first iteration (the history's oldest entries were dropped)"
-    assert lines[1] == ("  1502 MiB in iteration 4 step: in use 40.50, reserved 57.45 GiB after it; "
+    assert lines[0] == ("stream_speculate: reserved memory grew 2 time(s) after the first iteration (its times were "
+                        "measured with the allocator's history recorder on) (the history's oldest entries were dropped)")
+    assert lines[1] == ("  1502 MiB in iteration 4 step, with 46.40 of 55.98 GiB reserved in use: "
                         "runtime/residency.py:211 _slot < runtime/stream.py:90 step")
+    assert lines[2] == "  20 MiB in iteration 5 backward, with 40.00 of 57.45 GiB reserved in use"
 
 
 def png(path):
