@@ -62,7 +62,8 @@ class Speculated:
 @dataclass
 class Counters:
     """Since attach: sub-groups updated in backward, committed, discarded; steps that committed or
-    rolled back, and why they rolled back."""
+    rolled back, and why (``reasons``: rollbacks by reason, and single sub-groups discarded for
+    ``"gradient changed"``)."""
     speculated: int = 0
     committed: int = 0
     discarded: int = 0

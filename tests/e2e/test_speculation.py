@@ -186,6 +186,24 @@ def test_speculation_slow_side_stream_gpu(tmp_path):
         assert_bitwise_equal(plain, no_join)
 
 
+@pytest.mark.gpu
+def test_speculation_reentrant_gpu(tmp_path):
+    """A gradient reduced twice in one backward (``reentrant_tied``) on a GPU: the second reduction
+    runs on DeepSpeed's reduction stream while the first one's update may still run on the (slowed)
+    side stream; an update it voids is dropped alone, its cast released on the side stream. Whether
+    an update is already queued by then depends on the early loads' timing: bitwise either way."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    spec = dict(BASE, **CASES["reentrant_tied"], steps=6, hidden=256, slow_side_cycles=10_000_000)
+    offload = dict(OFFLOAD, overlap_memory_gb=1)
+    names = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=offload))]
+    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, "reentrant_gpu", nprocs=1, timeout=600)
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    c = ours["handle"]["speculation"]
+    assert c["committed"] > 0 and c["rollback_steps"] == 0 and set(c["reasons"]) <= {"gradient changed"}, c
+
+
 @pytest.mark.gpu2
 def test_speculation_parity_gpu_two_ranks(tmp_path):
     """Two GPUs: the gradient norm is all-reduced over NCCL, and each rank commits or discards alike."""
