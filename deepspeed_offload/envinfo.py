@@ -1,10 +1,10 @@
 """``deepspeed-offload env``: what a bug report about this package needs to know about the machine.
 
 Like ``ds_report`` and ``accelerate env``, but about what offload depends on: the versions of the
-stack, the accelerator, the caching allocator's settings, how much host memory can be pinned (``ulimit -l``, MemAvailable, the cgroup
-limit, a real 64 MiB pin on a GPU), /dev/shm, the pinned copy bandwidth each way and both at once
-(measured with ``bandwidth.bandwidth``, the benchmark's own probe), and whether DeepCompile can load for
-compile mode.
+stack, the accelerator, the caching allocator's settings, how much host memory can be pinned
+(``ulimit -l``, MemAvailable, the cgroup limit, a real 64 MiB pin on a GPU), /dev/shm, the pinned
+copy bandwidth each way and both at once (measured with ``bandwidth.bandwidth``, the benchmark's own
+probe), and whether DeepCompile can load for compile mode.
 
 Each probe is one key. A probe with nothing to measure here (no CUDA device, a package not installed)
 or one that fails gives its reason instead of a value: the text output says ``n/a: <reason>``, the
@@ -121,16 +121,25 @@ def _distribution(*names):
     return probe
 
 
+def _set(names):
+    """Those of the environment variables ``names`` that are set, with their values."""
+    return {k: os.environ[k] for k in names if k in os.environ}
+
+
+def _assignments(v):
+    return ", ".join(f"{k}={val}" for k, val in v.items())
+
+
 def probe_build_env():
     """The environment variables that decide which accelerator DeepSpeed picks and how its JIT ops
     (FusedAdam, DeepCompile) build, where set."""
-    return {k: os.environ[k] for k in BUILD_ENV if k in os.environ}
+    return _set(BUILD_ENV)
 
 
 def probe_allocator_conf():
     """The CUDA caching allocator's settings from the environment, where set (``expandable_segments``
-    lowers the reserved peak where the pool fragments: docs/configuration.md, ``speculate_memory_gb``)."""
-    return {k: os.environ[k] for k in ALLOC_CONF_ENV if k in os.environ} or "unset"
+    lowers the reserved peak where the pool fragments: docs/troubleshooting.md)."""
+    return _set(ALLOC_CONF_ENV)
 
 
 def probe_accelerator():
@@ -329,10 +338,10 @@ def _fmt_bytes(n):
 
 
 FORMATS = {
-    "build_env": lambda v: ", ".join(f"{k}={val}" for k, val in v.items()) or "none of " + " ".join(BUILD_ENV),
+    "build_env": lambda v: _assignments(v) or "none of " + " ".join(BUILD_ENV),
+    "allocator_conf": lambda v: _assignments(v) or "unset (torch's defaults)",
     "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "
                                     f"PCI {d['pci']}, NUMA node {d['numa_node']}" for i, d in enumerate(ds)),
-    "allocator_conf": lambda v: v if isinstance(v, str) else ", ".join(f"{k}={val}" for k, val in v.items()),
     "numa_nodes": lambda v: f"{len(v)} ({', '.join(map(str, v))})",
     "memlock_limit": lambda v: f"soft {_fmt_bytes(v['soft'])}, hard {_fmt_bytes(v['hard'])}",
     "host_memory": lambda v: (f"{format_bytes(v['available'])} available of {format_bytes(v['total'])}; the "

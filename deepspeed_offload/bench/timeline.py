@@ -17,24 +17,13 @@ def traced(loop):
     """One more iteration of ``loop`` (a ``loop.Loop``) under the CUDA allocator's history recorder:
     allocated GiB over time from its trace (``timeline_from_trace``), with the
     forward/backward/step marks and the iteration's own row. None off CUDA."""
-    acc = loop.acc
-    if acc.device_name() != "cuda":
+    if loop.acc.device_name() != "cuda":
         return None
-    mem = torch.cuda.memory
-    acc.synchronize()
-    record = dict(enabled="all", context=None, stacks="python", max_entries=TRACE_MAX_ENTRIES)
-    try:
-        mem._record_memory_history(clear_history=True, **record)
-    except TypeError:  # a torch without clear_history: events from before the start are dropped by time
-        mem._record_memory_history(**record)
-    try:
+    marks = {}
+    with recording(loop.acc, stacks=False) as got:
         base = torch.cuda.memory_stats()["active_bytes.all.current"]
-        marks = {}
         row = loop.iteration(marks)
-        trace = mem._snapshot()["device_traces"][torch.cuda.current_device()]
-    finally:
-        mem._record_memory_history(enabled=None)
-    out = timeline_from_trace(trace, marks, base, max_entries=TRACE_MAX_ENTRIES)
+    out = timeline_from_trace(got["trace"], marks, base, max_entries=TRACE_MAX_ENTRIES)
     out["row"] = row
     return out
 
@@ -84,8 +73,9 @@ GROWTH_FRAMES = 8
 
 
 @contextlib.contextmanager
-def recording(acc, max_entries=TRACE_MAX_ENTRIES):
-    """The CUDA allocator's history over the block (with each allocation's Python stack). Yields a
+def recording(acc, stacks=True, max_entries=TRACE_MAX_ENTRIES):
+    """The CUDA allocator's history over the block (``stacks``: with each allocation's Python stack,
+    slower). Yields a
     dict that gets, at the block's end, ``trace`` (the device's entries), ``active_end`` and
     ``reserved_end`` (bytes in use and reserved then) and ``truncated`` (the ring buffer dropped the
     oldest entries); nothing off CUDA."""
@@ -95,8 +85,8 @@ def recording(acc, max_entries=TRACE_MAX_ENTRIES):
         return
     mem = torch.cuda.memory
     acc.synchronize()
-    mem._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=max_entries,
-                               clear_history=True)
+    mem._record_memory_history(enabled="all", context="alloc" if stacks else None, stacks="python",
+                               max_entries=max_entries, clear_history=True)
     try:
         yield got
         acc.synchronize()

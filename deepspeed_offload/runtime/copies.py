@@ -118,8 +118,8 @@ class AsyncCopies:
         #   the compute stream's order, at once, even while the host runs ahead of the device. A
         #   recorded block goes back only once the host has seen the event complete: the next
         #   forward's first allocations, queued while the step still runs, would take new segments.
-        #   Where that join cannot be promised (a rollback, possibly on DeepSpeed's reduction stream;
-        #   an error), the holder calls ``release`` first.
+        #   Where that join cannot be promised (a discard on DeepSpeed's reduction stream or from
+        #   outside the step; an error), the holder calls ``release`` first.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
         for buf in bufs.values():

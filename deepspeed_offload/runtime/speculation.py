@@ -358,13 +358,15 @@ class Speculation:
         updates stand. Its current region was never written; the step updates it as if it had not
         speculated, and so will every later step (``reduced_again``). Called where DeepSpeed reduces, maybe on
         its reduction stream: the cast is released recorded on the side stream (``discard_all``)."""
-        spec = self.updated.pop(i)
-        self.mode.copies.release(spec.lp)
+        self.mode.copies.release(self.updated.pop(i).lp)
         self.reduced_again.add(i)
-        self.counters.discarded += 1
+        self._count_discarded(1, why)
+
+    def _count_discarded(self, n: int, why: str):
+        self.counters.discarded += n
         self.counters.reasons[why] = self.counters.reasons.get(why, 0) + 1
         if self.mode.stats is not None:
-            self.mode.stats.discarded += 1
+            self.mode.stats.discarded += n
 
     def discard_all(self, why: str):
         """Drop every update not committed (``why``: counted): the current regions were never written.
@@ -375,13 +377,10 @@ class Speculation:
         self.mode.copies.release(*[s.lp for s in self.updated.values()],
                                  *[lp for lp in self.committing.values() if lp is not None])
         if self.updated:
-            self.counters.discarded += len(self.updated)
+            self._count_discarded(len(self.updated), why)
             self.counters.rollback_steps += 1
-            self.counters.reasons[why] = self.counters.reasons.get(why, 0) + 1
             if why in BACKS_OFF:
                 self.backoff.rolled_back()
-            if self.mode.stats is not None:
-                self.mode.stats.discarded += len(self.updated)
         self.updated.clear()
         self.committing.clear()
         self._final = []

@@ -82,8 +82,8 @@ def test_build_env_and_the_arch_list_hint(monkeypatch):
 def test_the_allocator_settings_are_reported_where_set(monkeypatch):
     for name in envinfo.ALLOC_CONF_ENV:
         monkeypatch.delenv(name, raising=False)
-    assert envinfo.probe_allocator_conf() == "unset"
-    assert envinfo.FORMATS["allocator_conf"]("unset") == "unset"
+    assert envinfo.probe_allocator_conf() == {}
+    assert envinfo.FORMATS["allocator_conf"]({}) == "unset (torch's defaults)"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     conf = envinfo.probe_allocator_conf()
     assert conf == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
