@@ -25,8 +25,8 @@ from deepspeed.accelerator import get_accelerator
 
 Buffers = Dict[torch.dtype, torch.Tensor]
 # Which streams use a device buffer (``alloc``'s ``used_by``): the copy streams and the side stream;
-# the side stream alone; the side stream alone, and dropped only after ``join_side``.
-COPIES, SIDE, JOINED = "copies", "side", "joined"
+# the side stream alone, and dropped only after ``join_side``.
+COPIES, JOINED = "copies", "joined"
 Span = Optional[Tuple[object, object]]  # two clock tokens, resolved by ``elapsed``
 
 
@@ -40,7 +40,7 @@ class SyncCopies:
 
     def alloc(self, numel: Dict[torch.dtype, int], used_by: str = COPIES) -> Tuple[Buffers, object]:
         """Device buffers, and what a copy into them must wait for (None: nothing). ``used_by``: the
-        streams that will use them (``COPIES``, ``SIDE`` or ``JOINED``, see ``AsyncCopies.alloc``)."""
+        streams that will use them (``COPIES`` or ``JOINED``, see ``AsyncCopies.alloc``)."""
         device = self.acc.current_device_name()
         return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}, None
 
@@ -94,8 +94,7 @@ class AsyncCopies:
         self.d2h_stream = self.acc.Stream()
         self.side_stream = self.acc.Stream()  # speculated updates: backward does not wait for them
         # the streams ``alloc`` records its buffers on, by ``used_by``
-        self._recorded_on = {COPIES: (self.h2d_stream, self.d2h_stream, self.side_stream),
-                             SIDE: (self.side_stream, ), JOINED: ()}
+        self._recorded_on = {COPIES: (self.h2d_stream, self.d2h_stream, self.side_stream), JOINED: ()}
 
     def _event(self, stream, timing=False):
         ev = self.acc.Event(enable_timing=timing)
@@ -111,11 +110,10 @@ class AsyncCopies:
         # the other streams' work on them is done:
         # - COPIES (loads, slots): record_stream on both copy streams and the side stream, so the
         #   allocator reuses the blocks once the work queued on those by then has run;
-        # - SIDE (an update's fp32 gradient, dropped in backward): recorded on the side stream alone,
-        #   so they do not wait for the write-backs queued on the D2H stream;
-        # - JOINED (an update's 16-bit cast): not recorded. The holder drops them only after the
-        #   compute stream waited for the side stream (``join_side`` on it), so the blocks go back in
-        #   the compute stream's order, at once, even while the host runs ahead of the device. A
+        # - JOINED (the updates' fp32 gradient buffer, their 16-bit casts): not recorded. The holder
+        #   drops them only after the compute stream waited for the side stream (``join_side`` on it),
+        #   so the blocks go back in the compute stream's order, at once, even while the host runs
+        #   ahead of the device. A
         #   recorded block goes back only once the host has seen the event complete: the next
         #   forward's first allocations, queued while the step still runs, would take new segments.
         #   Where that join cannot be promised (a discard on DeepSpeed's reduction stream or from

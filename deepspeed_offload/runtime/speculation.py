@@ -39,7 +39,7 @@ import torch
 from deepspeed.utils import log_dist
 
 from ..host_memory import format_bytes
-from .copies import JOINED, SIDE
+from .copies import JOINED
 from .host_store import MASTER
 
 # Rollbacks that say the next step may roll back too (the norm clips, fp16 overflows, the loss scale
@@ -125,6 +125,9 @@ class Speculation:
         # sub-groups whose update a second reduction in the same backward voided: they wait for the step
         self.reduced_again: set = set()
         self._guarded = False
+        # the fp32 gradient every update of a backward builds its sub-group's into (``_grad_buffer``)
+        self._grad = None
+        self._grad_numel = max((self.opt.fp32_partitioned_groups_flat[i].numel() for i in self.members), default=0)
 
     def describe(self) -> str:
         store = self.mode.store
@@ -132,8 +135,10 @@ class Speculation:
 
     @property
     def held_bytes(self) -> int:
-        """Device memory the updates waiting for the norm hold (their 16-bit casts)."""
-        return sum(s.lp.numel() * s.lp.element_size() for s in self.updated.values())
+        """Device memory the updates hold: the 16-bit casts waiting for the norm, and while a backward
+        speculates, the fp32 gradient buffer (counted before its first update allocates it)."""
+        casts = sum(s.lp.numel() * s.lp.element_size() for s in self.updated.values())
+        return casts + (self._grad_numel * 4 if self._boundary or self._grad is not None else 0)  # fp32
 
     # ------------------------------------------------------------------ backward
 
@@ -205,11 +210,11 @@ class Speculation:
         cast = {}
         try:
             try:
-                # From the compute stream's pool (``copies.alloc``), for work on the side stream: the
-                # fp32 gradient, dropped at the end of this update; the 16-bit cast, kept until the step
-                # and dropped after the compute stream joined the side stream (``step_ends``), so its
-                # block goes back in the compute stream's order.
-                grad, grad_ready = mode.copies.alloc({master.dtype: master.numel()}, used_by=SIDE)
+                # From the compute stream's pool (``copies.alloc``), for work on the side stream, both
+                # dropped after the compute stream joined the side stream, so that their blocks go back
+                # in the compute stream's order: the fp32 gradient (one buffer for the whole backward,
+                # ``decide``) and the 16-bit cast, kept until the step (``step_ends``).
+                grad, grad_ready = self._grad_buffer(master)
                 cast, cast_ready = mode.copies.alloc({lp_dtype: master.numel()}, used_by=JOINED)
                 lp = cast[lp_dtype]
                 with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
@@ -220,7 +225,7 @@ class Speculation:
                     mode.copies.compute_waits(queued)
                     state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
                     mode.tensors.point_at(i, lambda key: table.view(i, key))
-                    master.grad = self._fp32_grad(i, grad[master.dtype])
+                    master.grad = self._fp32_grad(i, grad)
                     # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale,
                     # bitwise the same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
                     master.grad.mul_(1. / opt.loss_scale)
@@ -251,6 +256,20 @@ class Speculation:
         self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp)
         self.counters.speculated += 1
 
+    def _grad_buffer(self, master: torch.Tensor):
+        """The fp32 gradient buffer for ``master``'s update (a view of its first ``numel`` elements),
+        and what a write into it waits for (None after the first: the updates run one after the other
+        on the side stream). One buffer, the largest member's size, for every update of a backward:
+        allocated at the first, dropped after the compute stream joined the side stream (``decide``,
+        ``discard_all``). A block per update, recorded on the side stream, would go back to the
+        allocator only once the host saw the side stream's event: meanwhile the next updates' would
+        take other blocks, leaving the pool in pieces."""
+        ready = None
+        if self._grad is None:
+            bufs, ready = self.mode.copies.alloc({master.dtype: self._grad_numel}, used_by=JOINED)
+            self._grad = bufs[master.dtype]
+        return self._grad.narrow(0, 0, master.numel()), ready
+
     def _fp32_grad(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """The sub-group's flat fp32 gradient, in ``out``: what ``_prepare_fp32_grad_for_sub_group``
         builds (the partitions the epilogue will list, flattened, zeros for a frozen parameter,
@@ -274,6 +293,7 @@ class Speculation:
         none. Also learns the order gradients became final in, for the next backward's loads."""
         self._boundary = False
         self.mode.copies.join_side()  # the step (and the next backward) after every update
+        self._grad = None  # joined: its block goes back in the compute stream's order
         if self._final_order:
             rest = [i for i in self.load_order if i not in self._final_order]
             self.load_order = self._final_order + rest
@@ -372,10 +392,13 @@ class Speculation:
         """Drop every update not committed (``why``: counted): the current regions were never written.
         The current stream waits for the side stream (a step that raised may have queued commits' copies
         there). Callers outside the step (a writer of host state, ``offload_states``) may run on another
-        stream than the one the casts came from, so they are released recorded on the side stream."""
+        stream than the one the casts and the fp32 gradient buffer came from, so they are released
+        recorded on the side stream."""
         self.mode.copies.join_side()
         self.mode.copies.release(*[s.lp for s in self.updated.values()],
-                                 *[lp for lp in self.committing.values() if lp is not None])
+                                 *[lp for lp in self.committing.values() if lp is not None],
+                                 *([self._grad] if self._grad is not None else []))
+        self._grad = None
         if self.updated:
             self._count_discarded(len(self.updated), why)
             self.counters.rollback_steps += 1

@@ -213,7 +213,10 @@ def test_the_cpu_accelerator_gets_the_synchronous_executor():
 
 # ---------------------------------------------------------------------- on a GPU: the waits are real
 
-SPIN = int(2e8)  # cycles of torch.cuda._sleep: ~0.1 s of compute stream work before the update
+# cycles of torch.cuda._sleep: ~0.5 s of stream work that holds a copy or an update back. The
+# negative controls need the unheld copy to run within it, also while `gpu.sh tests` runs 7 other
+# test processes on the same GPU (at ~0.1 s one control's D2H came after the update).
+SPIN = int(1e9)
 
 
 def _gpu_table(numel=1 << 20):
@@ -324,53 +327,21 @@ def test_gpu_a_write_back_waits_for_the_update(control):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("used_by", ["side", "copies"], ids=["side", "control_every_stream"])
-def test_gpu_a_side_buffer_does_not_wait_for_the_write_backs(used_by):
-    """While the D2H stream is busy (write-backs queued), a dropped ``SIDE`` buffer (an update's fp32
-    gradient) goes back to the allocator as soon as the side stream is done with it, so the next
-    allocation of its size reuses the block; a buffer recorded on every stream (the control) waits
-    for the D2H stream, and the allocator hands out another block."""
-    from deepspeed_offload.runtime.copies import AsyncCopies
-    copies = AsyncCopies()
-    numel = {torch.float32: 1 << 22}
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # no other cached block for the allocator to pick
-    with torch.cuda.stream(copies.d2h_stream):
-        torch.cuda._sleep(SPIN)  # write-backs still queued when the buffer is dropped
-    bufs, ready = copies.alloc(numel, used_by=used_by)
-    ptr = bufs[torch.float32].data_ptr()
-    with copies.side():
-        copies.compute_waits(ready)
-        bufs[torch.float32].fill_(1.0)
-    copies.join_side()
-    torch.cuda.current_stream().synchronize()  # the side stream's use is over; the D2H stream's sleep is not
-    del bufs
-    again, _ = copies.alloc(numel, used_by=used_by)
-    reused = again[torch.float32].data_ptr() == ptr
-    torch.cuda.synchronize()
-    assert reused == (used_by == "side"), ("the block waited for the D2H stream" if used_by == "side" else
-                                           "the control's block was reused while the D2H stream could still use it")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("used_by", ["joined", "released", "side"],
-                         ids=["joined", "released_without_a_join", "control_recorded_on_side"])
+@pytest.mark.parametrize("used_by", ["joined", "released"], ids=["joined", "released_without_a_join"])
 def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by):
     """A ``JOINED`` buffer (an update's 16-bit cast) dropped after ``join_side`` goes back in the
     compute stream's order: the next allocation reuses its block at once, while the side stream (and
     the device) are still busy with it, and what the compute stream then writes lands after the side
     stream's write. One dropped without a join (a rollback on another stream) is handed to
-    ``release`` first, and like the control, recorded on the side stream, it is held until the host
-    sees the side stream finish, so an allocation queued meanwhile (the next forward's, when the host
-    runs ahead of the step) takes another block."""
+    ``release`` first: recorded on the side stream, it is held until the host sees the side stream
+    finish, so an allocation queued meanwhile (the next forward's, when the host runs ahead of the
+    step) takes another block."""
     from deepspeed_offload.runtime.copies import AsyncCopies
     copies = AsyncCopies()
     numel = {torch.float32: 1 << 22}
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    alloc_as = "joined" if used_by == "released" else used_by
-    bufs, ready = copies.alloc(numel, used_by=alloc_as)
+    bufs, ready = copies.alloc(numel, used_by="joined")
     ptr = bufs[torch.float32].data_ptr()
     with copies.side():
         copies.compute_waits(ready)
@@ -381,7 +352,7 @@ def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by)
     else:
         copies.join_side()
     del bufs
-    again, _ = copies.alloc(numel, used_by=alloc_as)
+    again, _ = copies.alloc(numel, used_by="joined")
     reused = again[torch.float32].data_ptr() == ptr
     again[torch.float32].fill_(2.0)  # on the compute stream
     torch.cuda.synchronize()
