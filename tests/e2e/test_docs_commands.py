@@ -1,4 +1,5 @@
-"""Every ``bash`` block in the README and docs/ runs as written, from the repository root.
+"""Every ``bash`` block in the README and docs/ runs as written, from the repository root: each
+distinct command once, and the README's main job in ``test_launcher.py``, which reads its output too.
 
 ``sh`` blocks (installing, the test command itself, GPU-only commands) are documentation only."""
 
@@ -8,6 +9,7 @@ import re
 import pytest
 
 from harness import ROOT, run, two_ranks_unavailable
+from test_launcher import MAIN_JOB
 
 pytestmark = pytest.mark.e2e
 
@@ -16,11 +18,13 @@ BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 
 
 def commands():
+    seen = {MAIN_JOB}
     for doc in DOCS:
         for block in BLOCK.findall(doc.read_text()):
             for line in block.splitlines():
                 line = line.split(" #")[0].strip()
-                if line and not line.startswith("#"):
+                if line and not line.startswith("#") and line not in seen:
+                    seen.add(line)
                     yield pytest.param(line, id=f"{doc.name}: {line[:60]}")
 
 

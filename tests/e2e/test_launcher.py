@@ -15,8 +15,8 @@ needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason
 @needs_two_ranks
 def test_disabled_block_matches_deepspeed_initialize(tmp_path):
     spec = dict(dtype="bf16", steps=3, sub_group_size=1)
-    plain = launch(dict(spec, api="deepspeed"), tmp_path, "plain")
-    disabled = launch(dict(spec, offload={"enabled": False, "mode": "stream"}), tmp_path, "disabled")
+    variants = [dict(api="deepspeed"), dict(offload={"enabled": False, "mode": "stream"})]
+    plain, disabled = launch(dict(spec, variants=variants), tmp_path, "disabled")["variants"]
     assert len(plain["losses"]) == 3
     assert_bitwise_equal(plain, disabled)
     assert "handle" not in disabled
@@ -28,18 +28,22 @@ def test_disabled_block_matches_deepspeed_initialize(tmp_path):
 EXIT_RUNS = 8
 
 
+# The README's main job, as written there (test_docs_commands leaves it to this test).
+MAIN_JOB = "deepspeed --num_gpus 2 examples/train.py --deepspeed_config examples/ds_config_offload.json"
+
+
 @needs_two_ranks
 def test_readme_main_job(tmp_path):
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "examples/train.py",
-           "--deepspeed_config", "examples/ds_config_offload.json", "--steps", "4"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = run(cmd, "readme-main-job", 300, env)
+    assert f"\n{MAIN_JOB}\n" in (ROOT / "README.md").read_text(), "the README's main job changed: update MAIN_JOB"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))  # `deepspeed`
+    proc = run(["bash", "-c", MAIN_JOB], "readme-main-job", 300, env)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
-    assert "step 3 loss" in out
+    assert "step 9 loss" in out  # examples/train.py's default: 10 steps
     assert "stream mode: 2 of 2 sub-groups offloaded" in out  # the attach log line
     assert "'sub_groups': 2" in out  # the last step streamed both sub-groups
-    short = cmd[:-1] + ["1"]
+    short = [sys.executable, "-m", "deepspeed.launcher.runner", *MAIN_JOB.split()[1:], "--steps", "1"]
     aborted = []
     for k in range(EXIT_RUNS):
         proc = run(short, f"readme-main-job-exit-{k}", 300, env)

@@ -3,8 +3,8 @@ backward before the gradient norm is known, committed when the norm allows, disc
 fires, the loss scale moves or a step overflows. 2 gloo ranks (the norm is all-reduced), many
 sub-groups (one parameter each), two param groups, a frozen layer, a layer unused in the first steps,
 a weight used twice (in one case in two reentrant checkpoints, so its gradient is reduced twice);
-torch AdamW. Each case trains plain ZeRO-3 and the offload variants in one launch, from the same
-seed, and compares every loss, fp32 master and optimizer state with ``torch.equal``; the counters
+torch AdamW. Each case trains plain ZeRO-3 and the offload variants from the same seed (every
+case in one launch), and compares every loss, fp32 master and optimizer state with ``torch.equal``; the counters
 show that the path under test really ran (commits, discards).
 
 A negative control commits without the norm check while clipping fires on some steps: parity must
@@ -69,13 +69,28 @@ def variants(case):
     return out
 
 
+@pytest.fixture(scope="module")
+def case_runs(tmp_path_factory):
+    """Every case's variants, all in one launch (the launcher and both ranks start once, not once
+    per case; each variant still trains from the same seed in an engine of its own):
+    ``{case: {variant name: result}}``."""
+    keys, overrides = [], []
+    for case in CASES:
+        for name, variant in variants(case):
+            keys.append((case, name))
+            overrides.append(dict(CASES[case], **variant))
+    out = launch(dict(BASE, variants=overrides), tmp_path_factory.mktemp("speculation"), "cases", timeout=900)
+    runs = {}
+    for (case, name), result in zip(keys, out["variants"]):
+        runs.setdefault(case, {})[name] = result
+    return runs
+
+
 @needs_two_ranks
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculation_parity(tmp_path, case):
+def test_speculation_parity(case_runs, case):
     spec = dict(BASE, **CASES[case])
-    names = variants(case)
-    out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, case, timeout=600)
-    runs = dict(zip([n for n, _ in names], out["variants"]))
+    runs = case_runs[case]
     plain = runs["plain"]
     steps = spec["steps"]
     for name in ("speculate", "deferred"):

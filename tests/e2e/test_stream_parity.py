@@ -2,8 +2,8 @@
 state (read with DeepSpeed's ``safe_get_full_*``) and every loss is ``torch.equal`` to a plain run
 with the same optimizer. 2 gloo ranks on the CPU; on GPUs 1 rank per GPU (see the gpu cases).
 
-One launch per case: parity_train.py trains plain ZeRO-3 first, then each offload variant of the
-case (overlap on with the derived limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
+On two CPU ranks every case runs in one launch (elsewhere one launch per case): parity_train.py
+trains plain ZeRO-3 first, then each offload variant of the case (overlap on with the derived limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
 a detach, an asynchronous checkpoint and its resume), in the same process from the same seed.
 
 On the CPU every copy is synchronous, so the waits between copies and computation are never put to
@@ -101,11 +101,19 @@ def variant_specs(case, tmp_path):
     return out
 
 
-def run_case(tmp_path, case, nprocs=2, steps=6, **overrides):
-    spec = dict(CASES[case]["spec"], steps=steps, **overrides)
+def case_spec(case, steps=6, **overrides):
+    return dict(CASES[case]["spec"], steps=steps, **overrides)
+
+
+def run_case(tmp_path, case, nprocs=2, **overrides):
+    spec = case_spec(case, **overrides)
     names, variants = zip(*variant_specs(case, tmp_path))
     out = launch(dict(spec, variants=list(variants)), tmp_path, case, nprocs=nprocs)
-    results = dict(zip(names, out["variants"]))
+    return check_case(spec, dict(zip(names, out["variants"])))
+
+
+def check_case(spec, results):
+    """Every variant of a case against its plain ZeRO-3 run (``results``: name -> result)."""
     plain = results["plain"]
     for name, ours in results.items():
         if name == "plain":
@@ -215,18 +223,40 @@ def check_stats(spec, name, ours):
         assert "__master__" in handle["keys"]
 
 
-def skip_without_fp16(case):
+def two_rank_skip(case):
+    """Why ``case`` does not run on two ranks here, or None."""
     if CASES[case]["spec"].get("dtype") == "fp16" and not get_accelerator().is_fp16_supported():
-        pytest.skip(f"DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 (run on a GPU)")
+        return f"DeepSpeed's {get_accelerator().device_name()} accelerator has no fp16 (run on a GPU)"
+    if case == "deferred_copies" and not ON_CPU:
+        return "the deferred executor stands in for a GPU's copy streams on the CPU accelerator"
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every case that runs here, all in one launch (the launcher and both ranks start once, not once
+    per case; each variant still trains from the same seed in an engine of its own, and a resume
+    follows its checkpoint's variant as in a launch of its own): ``{case: {name: result}}``."""
+    keys, variants = [], []
+    for case in CASES:
+        if two_rank_skip(case) is None:
+            spec = case_spec(case)
+            for name, variant in variant_specs(case, tmp_path_factory.mktemp(case)):
+                keys.append((case, name))
+                variants.append(dict(spec, **variant))
+    out = launch(dict(variants=variants), tmp_path_factory.mktemp("two_ranks"), "cases", timeout=900)
+    runs = {}
+    for (case, name), result in zip(keys, out["variants"]):
+        runs.setdefault(case, {})[name] = result
+    return runs
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @needs_two_ranks
-def test_parity_two_ranks(tmp_path, case):
-    skip_without_fp16(case)
-    if case == "deferred_copies" and not ON_CPU:
-        pytest.skip("the deferred executor stands in for a GPU's copy streams on the CPU accelerator")
-    results = run_case(tmp_path, case)
+def test_parity_two_ranks(two_rank_runs, case):
+    if two_rank_skip(case):
+        pytest.skip(two_rank_skip(case))
+    results = check_case(case_spec(case), two_rank_runs[case])
     if case == "budget_keeps_some_resident":
         assert results["overlap"]["handle"]["resident"], "the budget should keep the first sub-groups resident"
     if case == "one_param_per_sub_group":
