@@ -9,7 +9,8 @@ parameter's full fp32 master and every optimizer-state tensor, read with DeepSpe
 A spec with ``variants`` (a list of overrides, e.g. ``{"api": "deepspeed"}`` for plain ZeRO-3 and
 ``{"offload": {...}}`` for each offload configuration) trains each of them in turn, in the same
 process, from the same seed, and writes ``{"variants": [result, ...]}``: one launch instead of one
-per run.
+per run. A variant may carry a whole case's spec (its model, precision, steps): the two-rank tests
+run all their cases in one launch so.
 """
 
 import contextlib
