@@ -113,9 +113,9 @@ class AsyncCopies:
         # - JOINED (the updates' fp32 gradient buffer, their 16-bit casts): not recorded. The holder
         #   drops them only after the compute stream waited for the side stream (``join_side`` on it),
         #   so the blocks go back in the compute stream's order, at once, even while the host runs
-        #   ahead of the device. A
-        #   recorded block goes back only once the host has seen the event complete: the next
-        #   forward's first allocations, queued while the step still runs, would take new segments.
+        #   ahead of the device. A recorded block goes back only once the host has seen the event
+        #   complete: the next forward's first allocations, queued while the step still runs, would
+        #   take new segments.
         #   Where that join cannot be promised (a discard on DeepSpeed's reduction stream or from
         #   outside the step; an error), the holder calls ``release`` first.
         device = self.acc.current_device_name()

@@ -12,9 +12,9 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
   DeepSpeed builds it, times the factor ``unscale_and_clip_grads`` uses when clipping does not
   fire (1 / loss scale), then DeepSpeed's own ``_optimizer_step``;
   the result goes to the sub-group's *second* host region (``HostStore`` twins) while its 16-bit
-  cast stays on the device (2 bytes a parameter, counted with the early loads so that the peak does
-  not rise), and the optimizer's small state (Adam's ``step``) and group entries are put back as
-  they were. The updates run on a side stream: backward never waits for a load or an update;
+  cast stays on the device (2 bytes a parameter; counted with the early loads so that the peak does
+  not rise, as is the one fp32 gradient buffer all updates of a backward share), and the
+  optimizer's small state (Adam's ``step``) and group entries are put back as they were. The updates run on a side stream: backward never waits for a load or an update;
 - at the step, once DeepSpeed has the norm: if it did not overflow, the loss scale and the
   hyper-parameters are the ones the update used, and the clip factor is exactly 1, each updated
   sub-group is **committed** in DeepSpeed's loop (its second region becomes current: nothing is
@@ -413,7 +413,7 @@ class Speculation:
             return
         log_dist(f"[deepspeed-offload] speculation: {self.describe()}", ranks=[0])
         bucket = getattr(self.opt, "reduce_bucket_size", 0)
-        largest = max(self.opt.fp32_partitioned_groups_flat[i].numel() for i in self.members)
+        largest = self._grad_numel
         if bucket > 4 * largest:
             # WARNING, like DeepSpeed's own advice on its settings: it costs speed, not correctness
             log_dist(f"[deepspeed-offload] speculation: zero_optimization.reduce_bucket_size is {bucket:,} "

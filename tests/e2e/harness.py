@@ -17,6 +17,7 @@ for (a slow write, the guard off) to the engine's checkpointer.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -59,6 +60,28 @@ def run(cmd, name: str, timeout: int, env: dict) -> subprocess.CompletedProcess:
         _hung = f"{name} timed out after {timeout}s" + (f" (JIT build locks left: {locks})" if locks else "")
         raise LaunchError(f"{_hung}\n{out[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+# The README's main job, as written there (test_launcher.py runs it and reads its output;
+# test_docs_commands.py leaves it to that test).
+MAIN_JOB = "deepspeed --num_gpus 2 examples/train.py --deepspeed_config examples/ds_config_offload.json"
+BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def bash_lines(doc: Path):
+    """The commands of ``doc``'s ``bash`` blocks, a line each, comments dropped."""
+    for block in BASH_BLOCK.findall(doc.read_text()):
+        for line in block.splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                yield line
+
+
+def command_env() -> dict:
+    """The environment a documented command runs in: this checkout importable, this interpreter's
+    ``deepspeed`` and ``deepspeed-offload`` first on PATH (also where the venv is not activated)."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
 
 
 def gpus() -> int:

@@ -318,8 +318,13 @@ def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
     if spec.get("variants"):
         result = {"variants": []}
-        for variant in spec["variants"]:
-            result["variants"].append(train(dict(spec, **variant)))
+        for k, variant in enumerate(spec["variants"]):
+            try:
+                result["variants"].append(train(dict(spec, **variant)))
+            except BaseException:  # several cases share a launch: say which one failed
+                print(f"parity_train: variant {k} of {len(spec['variants'])} failed: {json.dumps(variant)[:2000]}",
+                      file=sys.stderr, flush=True)
+                raise
             gc.collect()  # the last variant's engine and its device memory gone before the next one's
             get_accelerator().empty_cache()
     else:
@@ -409,8 +414,9 @@ def train_with(spec):
         # stream joined the side stream (step_ends without its join)
         speculation.step_ends = lambda: setattr(speculation, "committing", {})
     if spec.get("early_cap_share") and speculation is not None:
-        # early loads within a cap, a share of all the offloaded state: what they hold plus the 16-bit casts the
-        # updates keep until the step must stay within it (the peak guarantee's bookkeeping)
+        # early loads within a cap, a share of all the offloaded state: what they hold plus what the updates
+        # hold (the 16-bit casts kept until the step, their fp32 gradient buffer) must stay within it (the
+        # peak guarantee's bookkeeping)
         handle = deepspeed_offload.get_handle(engine)
         handle.timing.early_cap = int(spec["early_cap_share"] * sum(handle.layout.nbytes[i] for i in handle.order))
         load_early = handle._load_early

@@ -3,29 +3,22 @@ distinct command once, and the README's main job in ``test_launcher.py``, which 
 
 ``sh`` blocks (installing, the test command itself, GPU-only commands) are documentation only."""
 
-import os
-import re
-
 import pytest
 
-from harness import ROOT, run, two_ranks_unavailable
-from test_launcher import MAIN_JOB
+from harness import MAIN_JOB, ROOT, bash_lines, command_env, run, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 
 
 def commands():
     seen = {MAIN_JOB}
     for doc in DOCS:
-        for block in BLOCK.findall(doc.read_text()):
-            for line in block.splitlines():
-                line = line.split(" #")[0].strip()
-                if line and not line.startswith("#") and line not in seen:
-                    seen.add(line)
-                    yield pytest.param(line, id=f"{doc.name}: {line[:60]}")
+        for line in bash_lines(doc):
+            if line not in seen:
+                seen.add(line)
+                yield pytest.param(line, id=f"{doc.name}: {line[:60]}")
 
 
 def test_the_docs_have_commands():
@@ -36,6 +29,5 @@ def test_the_docs_have_commands():
 def test_doc_command_runs(command, tmp_path):
     if command.startswith("deepspeed ") and two_ranks_unavailable():
         pytest.skip(two_ranks_unavailable())
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = run(["bash", "-c", command], command[:40], 300, env)
+    proc = run(["bash", "-c", command], command[:40], 300, command_env())
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-4000:]}"

@@ -1,12 +1,11 @@
 """Through the real ``deepspeed`` launcher, 2 ranks: the block disabled is plain DeepSpeed, and
 the README's main job runs."""
 
-import os
 import sys
 
 import pytest
 
-from harness import ROOT, assert_bitwise_equal, launch, run, two_ranks_unavailable
+from harness import MAIN_JOB, ROOT, assert_bitwise_equal, bash_lines, command_env, launch, run, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -28,15 +27,10 @@ def test_disabled_block_matches_deepspeed_initialize(tmp_path):
 EXIT_RUNS = 8
 
 
-# The README's main job, as written there (test_docs_commands leaves it to this test).
-MAIN_JOB = "deepspeed --num_gpus 2 examples/train.py --deepspeed_config examples/ds_config_offload.json"
-
-
 @needs_two_ranks
 def test_readme_main_job(tmp_path):
-    assert f"\n{MAIN_JOB}\n" in (ROOT / "README.md").read_text(), "the README's main job changed: update MAIN_JOB"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))  # `deepspeed`
+    assert MAIN_JOB in bash_lines(ROOT / "README.md"), "the README's main job changed: update harness.MAIN_JOB"
+    env = command_env()
     proc = run(["bash", "-c", MAIN_JOB], "readme-main-job", 300, env)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]

@@ -9,9 +9,9 @@ show that the path under test really ran (commits, discards).
 
 A negative control commits without the norm check while clipping fires on some steps: parity must
 break. The ``deferred`` variants run every copy only when something waits for it
-(``deferred_copies.py``), as late as a GPU's copy streams may, and check that the 16-bit casts are
-dropped only after the compute stream joined the side stream; a control that skips the step's join
-must be caught."""
+(``deferred_copies.py``), as late as a GPU's copy streams may, and check that the 16-bit casts and
+the fp32 gradient buffer are dropped only after the compute stream joined the side stream; a control
+that skips the step's join must be caught."""
 
 import pytest
 
@@ -42,8 +42,8 @@ CASES = {
                                  extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1500,
                                                                      "reduce_bucket_size": 64}}),
     # early loads capped at half the offloaded state, gradients final one small bucket at a time (updates
-    # all through backward): the loaded state and the 16-bit casts kept for the commit stay within
-    # the cap together
+    # all through backward): the loaded state, the 16-bit casts kept for the commit and the updates'
+    # fp32 gradient buffer stay within the cap together
     "early_cap": dict(clip=HUGE, early_cap_share=0.5,
                       extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1, "reduce_bucket_size": 64}}),
     # the tied weight's two uses in reentrant checkpoints of their own: its gradient is reduced twice in
@@ -137,8 +137,8 @@ def test_speculation_parity(case_runs, case):
     if "deferred" in runs:
         deferred = runs["deferred"]["handle"]
         assert deferred["deferred_copies"] > 0  # copies really waited in their queues
-        # every 16-bit cast (allocated JOINED, not recorded on the side stream) was dropped only after
-        # the compute stream joined the side stream: on a GPU its block is reused at once
+        # every 16-bit cast and gradient buffer (allocated JOINED, not recorded on the side stream) was
+        # dropped only after the compute stream joined the side stream: on a GPU its block is reused at once
         assert deferred["joined_allocs"] > 0 and deferred["unjoined_drops"] == 0, deferred
     if "unjoined_control" in runs:
         unjoined = runs["unjoined_control"]["handle"]

@@ -329,7 +329,7 @@ def test_gpu_a_write_back_waits_for_the_update(control):
 @needs_cuda
 @pytest.mark.parametrize("used_by", ["joined", "released"], ids=["joined", "released_without_a_join"])
 def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by):
-    """A ``JOINED`` buffer (an update's 16-bit cast) dropped after ``join_side`` goes back in the
+    """A ``JOINED`` buffer (an update's 16-bit cast, the updates' fp32 gradient buffer) dropped after ``join_side`` goes back in the
     compute stream's order: the next allocation reuses its block at once, while the side stream (and
     the device) are still busy with it, and what the compute stream then writes lands after the side
     stream's write. One dropped without a join (a rollback on another stream) is handed to
