@@ -14,7 +14,8 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
   the result goes to the sub-group's *second* host region (``HostStore`` twins) while its 16-bit
   cast stays on the device (2 bytes a parameter; counted with the early loads so that the peak does
   not rise, as is the one fp32 gradient buffer all updates of a backward share), and the
-  optimizer's small state (Adam's ``step``) and group entries are put back as they were. The updates run on a side stream: backward never waits for a load or an update;
+  optimizer's small state (Adam's ``step``) and group entries are put back as they were. The
+  updates run on a side stream: backward never waits for a load or an update;
 - at the step, once DeepSpeed has the norm: if it did not overflow, the loss scale and the
   hyper-parameters are the ones the update used, and the clip factor is exactly 1, each updated
   sub-group is **committed** in DeepSpeed's loop (its second region becomes current: nothing is
