@@ -128,7 +128,9 @@ class Speculation:
         self._guarded = False
         # the fp32 gradient every update of a backward builds its sub-group's into (``_grad_buffer``)
         self._grad = None
-        self._grad_numel = max((self.opt.fp32_partitioned_groups_flat[i].numel() for i in self.members), default=0)
+        masters = [self.opt.fp32_partitioned_groups_flat[i] for i in self.members]
+        self._grad_numel = max((m.numel() for m in masters), default=0)
+        self._grad_bytes = max((m.numel() * m.element_size() for m in masters), default=0)
 
     def describe(self) -> str:
         store = self.mode.store
@@ -139,7 +141,7 @@ class Speculation:
         """Device memory the updates hold: the 16-bit casts waiting for the norm, and while a backward
         speculates, the fp32 gradient buffer (counted before its first update allocates it)."""
         casts = sum(s.lp.numel() * s.lp.element_size() for s in self.updated.values())
-        return casts + (self._grad_numel * 4 if self._boundary or self._grad is not None else 0)  # fp32
+        return casts + (self._grad_bytes if self._boundary or self._grad is not None else 0)
 
     # ------------------------------------------------------------------ backward
 

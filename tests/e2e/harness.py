@@ -123,6 +123,19 @@ def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int 
     return torch.load(out, weights_only=False)
 
 
+def launch_cases(cases: dict, tmp_path: Path, name: str, timeout: int = 900) -> dict:
+    """Several cases' variants in one launch of parity_train.py (the launcher and the ranks start once,
+    not once per case; each variant still trains from the same seed in an engine of its own).
+    ``cases``: {case: [(variant name, the variant's whole spec)]}; returns {case: {variant name: result}}."""
+    keys = [(case, variant) for case, named in cases.items() for variant, _ in named]
+    specs = [spec for named in cases.values() for _, spec in named]
+    out = launch(dict(variants=specs), tmp_path, name, timeout=timeout)
+    runs = {}
+    for (case, variant), result in zip(keys, out["variants"]):
+        runs.setdefault(case, {})[variant] = result
+    return runs
+
+
 def assert_bitwise_equal(a: dict, b: dict, what=("losses", "fp32", "state")):
     """Every loss, fp32 master and optimizer-state tensor identical (torch.equal), and none missing."""
     if "losses" in what:

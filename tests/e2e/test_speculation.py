@@ -4,8 +4,8 @@ fires, the loss scale moves or a step overflows. 2 gloo ranks (the norm is all-r
 sub-groups (one parameter each), two param groups, a frozen layer, a layer unused in the first steps,
 a weight used twice (in one case in two reentrant checkpoints, so its gradient is reduced twice);
 torch AdamW. Each case trains plain ZeRO-3 and the offload variants from the same seed (every
-case in one launch), and compares every loss, fp32 master and optimizer state with ``torch.equal``; the counters
-show that the path under test really ran (commits, discards).
+case in one launch), and compares every loss, fp32 master and optimizer state with
+``torch.equal``; the counters show that the path under test really ran (commits, discards).
 
 A negative control commits without the norm check while clipping fires on some steps: parity must
 break. The ``deferred`` variants run every copy only when something waits for it
@@ -15,7 +15,7 @@ that skips the step's join must be caught."""
 
 import pytest
 
-from harness import assert_bitwise_equal, gpus, launch, two_ranks_unavailable
+from harness import assert_bitwise_equal, gpus, launch, launch_cases, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -71,19 +71,10 @@ def variants(case):
 
 @pytest.fixture(scope="module")
 def case_runs(tmp_path_factory):
-    """Every case's variants, all in one launch (the launcher and both ranks start once, not once
-    per case; each variant still trains from the same seed in an engine of its own):
-    ``{case: {variant name: result}}``."""
-    keys, overrides = [], []
-    for case in CASES:
-        for name, variant in variants(case):
-            keys.append((case, name))
-            overrides.append(dict(CASES[case], **variant))
-    out = launch(dict(BASE, variants=overrides), tmp_path_factory.mktemp("speculation"), "cases", timeout=900)
-    runs = {}
-    for (case, name), result in zip(keys, out["variants"]):
-        runs.setdefault(case, {})[name] = result
-    return runs
+    """Every case's variants, all in one launch: ``{case: {variant name: result}}``."""
+    cases = {case: [(name, dict(BASE, **CASES[case], **variant)) for name, variant in variants(case)]
+             for case in CASES}
+    return launch_cases(cases, tmp_path_factory.mktemp("speculation"), "cases")
 
 
 @needs_two_ranks

@@ -3,7 +3,8 @@ state (read with DeepSpeed's ``safe_get_full_*``) and every loss is ``torch.equa
 with the same optimizer. 2 gloo ranks on the CPU; on GPUs 1 rank per GPU (see the gpu cases).
 
 On two CPU ranks every case runs in one launch (elsewhere one launch per case): parity_train.py
-trains plain ZeRO-3 first, then each offload variant of the case (overlap on with the derived limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
+trains plain ZeRO-3 first, then each offload variant of the case (overlap on with the derived
+limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
 a detach, an asynchronous checkpoint and its resume), in the same process from the same seed.
 
 On the CPU every copy is synchronous, so the waits between copies and computation are never put to
@@ -14,7 +15,7 @@ one wait must break parity (a drain or a slot reuse without its wait breaks it t
 import pytest
 from deepspeed.accelerator import get_accelerator
 
-from harness import assert_bitwise_equal, gpus, launch, slow_writes, two_ranks_unavailable
+from harness import assert_bitwise_equal, gpus, launch, launch_cases, slow_writes, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -234,21 +235,12 @@ def two_rank_skip(case):
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """Every case that runs here, all in one launch (the launcher and both ranks start once, not once
-    per case; each variant still trains from the same seed in an engine of its own, and a resume
-    follows its checkpoint's variant as in a launch of its own): ``{case: {name: result}}``."""
-    keys, variants = [], []
-    for case in CASES:
-        if two_rank_skip(case) is None:
-            spec = case_spec(case)
-            for name, variant in variant_specs(case, tmp_path_factory.mktemp(case)):
-                keys.append((case, name))
-                variants.append(dict(spec, **variant))
-    out = launch(dict(variants=variants), tmp_path_factory.mktemp("two_ranks"), "cases", timeout=900)
-    runs = {}
-    for (case, name), result in zip(keys, out["variants"]):
-        runs.setdefault(case, {})[name] = result
-    return runs
+    """Every case that runs here, all in one launch (a resume still follows its checkpoint's
+    variant): ``{case: {name: result}}``."""
+    cases = {case: [(name, dict(case_spec(case), **variant))
+                    for name, variant in variant_specs(case, tmp_path_factory.mktemp(case))]
+             for case in CASES if two_rank_skip(case) is None}
+    return launch_cases(cases, tmp_path_factory.mktemp("two_ranks"), "cases")
 
 
 @pytest.mark.parametrize("case", list(CASES))
