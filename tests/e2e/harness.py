@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +34,9 @@ PARITY = HERE / "parity_train.py"
 EXTENSIONS_DIR = ROOT / ".cache" / "torch_extensions"
 
 _hung = None  # the first launch that timed out, if any
+# Set (to anything) in a launch's environment: the ranks' accelerator reports no fp16, as DeepSpeed's
+# CPU accelerator does on a CPU without it (AMD), whatever this machine has.
+NO_FP16 = "DS_OFFLOAD_TEST_NO_FP16"
 
 
 class LaunchError(AssertionError):
@@ -97,9 +101,11 @@ def two_ranks_unavailable():
 
 
 def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int = 300, script: Path = PARITY,
-           env: dict = None, expect_failure: bool = False):
+           env: dict = None, expect_failure: bool = False, shared: bool = False):
     """Run ``script`` with ``spec`` under the launcher; its rank-0 result, or (``expect_failure``)
-    the launcher's output of a run that must not succeed."""
+    the launcher's output of a run that must not succeed. A spec with ``variants`` reports each
+    variant's outcome: the test skips when one could not run here and fails when one failed (unless
+    ``shared``: ``launch_cases`` sorts them out per case)."""
     out = tmp_path / f"{name}.pt"
     spec = dict(spec, out=str(out))
     spec_file = tmp_path / f"{name}.json"
@@ -120,20 +126,47 @@ def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int 
         return proc.stdout + proc.stderr
     if proc.returncode != 0 or not out.exists():
         raise LaunchError(f"{name}: launcher exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return torch.load(out, weights_only=False)
+    result = torch.load(out, weights_only=False)
+    if not shared and isinstance(result, dict):
+        for k, variant in enumerate(result.get("variants", [])):
+            outcome(variant, f"{name}, variant {k}")
+    return result
 
 
-def launch_cases(cases: dict, tmp_path: Path, name: str, timeout: int = 900) -> dict:
+def outcome(result: dict, what: str) -> dict:
+    """A variant's result as parity_train.py reported it: the test skips where this machine cannot run
+    it (``skipped``), fails where it failed (``error``, with the ranks' messages), else gets it."""
+    if "skipped" in result:
+        pytest.skip(f"{what}: {result['skipped']}")
+    if "error" in result:
+        raise LaunchError(f"{what} failed: {result['error']}")
+    return result
+
+
+def launch_cases(cases: dict, tmp_path: Path, name: str, timeout: int = 900, env: dict = None) -> dict:
     """Several cases' variants in one launch of parity_train.py (the launcher and the ranks start once,
     not once per case; each variant still trains from the same seed in an engine of its own).
-    ``cases``: {case: [(variant name, the variant's whole spec)]}; returns {case: {variant name: result}}."""
+    ``cases``: {case: [(variant name, the variant's whole spec)]}; returns {case: {variant name: outcome}},
+    each outcome as parity_train.py reported it: read a case with ``case_results``, so that a variant
+    that cannot run here or failed skips or fails its own case alone."""
     keys = [(case, variant) for case, named in cases.items() for variant, _ in named]
     specs = [spec for named in cases.values() for _, spec in named]
-    out = launch(dict(variants=specs), tmp_path, name, timeout=timeout)
+    out = launch(dict(variants=specs), tmp_path, name, timeout=timeout, env=env, shared=True)
     runs = {}
     for (case, variant), result in zip(keys, out["variants"]):
         runs.setdefault(case, {})[variant] = result
     return runs
+
+
+def case_results(runs: dict, case: str) -> dict:
+    """One case of ``launch_cases``: ``{variant name: result}``; skips the test where one of its variants
+    could not run on this machine, fails it (naming the variant) where one failed."""
+    for variant, result in runs[case].items():
+        if "skipped" in result:
+            outcome(result, f"{case}/{variant}")
+    for variant, result in runs[case].items():
+        outcome(result, f"{case}/{variant}")
+    return runs[case]
 
 
 def assert_bitwise_equal(a: dict, b: dict, what=("losses", "fp32", "state")):

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 import deepspeed
 import torch
@@ -30,7 +31,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 import deepspeed_offload
 from deepspeed_offload.runtime.colocation import GRAD_VIEWS
 from deepspeed_offload.runtime.host_store import MASTER
-from harness import inject_checkpoint_faults
+from harness import NO_FP16, inject_checkpoint_faults
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -316,17 +317,11 @@ def detach_and_check(engine):
 
 def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
+    deepspeed.init_distributed()  # before any variant: one that is skipped or fails early still agrees
+    if NO_FP16 in os.environ:  # the tests' stand-in for a CPU without fp16 (an AMD one)
+        get_accelerator().is_fp16_supported = lambda: False
     if spec.get("variants"):
-        result = {"variants": []}
-        for k, variant in enumerate(spec["variants"]):
-            try:
-                result["variants"].append(train(dict(spec, **variant)))
-            except BaseException:  # several cases share a launch: say which one failed
-                print(f"parity_train: variant {k} of {len(spec['variants'])} failed: {json.dumps(variant)[:2000]}",
-                      file=sys.stderr, flush=True)
-                raise
-            gc.collect()  # the last variant's engine and its device memory gone before the next one's
-            get_accelerator().empty_cache()
+        result = {"variants": [run_variant(spec, k) for k in range(len(spec["variants"]))]}
     else:
         result = train(spec)
     if deepspeed.comm.get_rank() == 0:
@@ -338,6 +333,43 @@ def main():
     # gloo can abort in its destructors at interpreter exit after the gathers above; everything is
     # written, so leave now and let the launcher see the real outcome.
     os._exit(0)
+
+
+def run_variant(spec, k):
+    """Variant ``k`` of a shared launch, reported on its own: its result, ``{"skipped": why}`` where this
+    machine cannot run it (fp16 on a CPU without it), or ``{"error": ...}`` when it failed on any rank
+    (the ranks agree, so that the next variant starts on all of them). One variant never ends the
+    launch for the others."""
+    variant = dict(spec, **spec["variants"][k])
+    why = unsupported(variant)
+    if why:
+        return {"skipped": why}
+    error = None
+    try:
+        result = train(variant)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        print(f"parity_train: variant {k} of {len(spec['variants'])} failed: {json.dumps(spec['variants'][k])[:2000]}"
+              f"\n{error}", file=sys.stderr, flush=True)
+    gc.collect()  # the last variant's engine and its device memory gone before the next one's
+    get_accelerator().empty_cache()
+    errors = [None] * deepspeed.comm.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        return {"error": "; ".join(f"rank {rank}: {e}" for rank, e in failed)}
+    return result
+
+
+def unsupported(spec):
+    """Why this machine cannot train ``spec`` (a precision DeepSpeed's accelerator lacks), or None."""
+    acc = get_accelerator()
+    dtype = spec.get("dtype", "bf16")
+    if dtype == "fp16" and not acc.is_fp16_supported():
+        return f"DeepSpeed's {acc.device_name()} accelerator has no fp16 on this machine"
+    if dtype == "bf16" and not acc.is_bf16_supported():
+        return f"DeepSpeed's {acc.device_name()} accelerator has no bf16 on this machine"
+    return None
 
 
 @contextlib.contextmanager
@@ -471,6 +503,8 @@ def train_with(spec):
                 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
                 p = next(p for p in engine.module.parameters() if p.requires_grad)
                 safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
+            if step == spec.get("fail_at") and micro == gas - 1:
+                raise RuntimeError(f"injected failure at step {step}")  # (a variant that fails: harness tests)
             if step == spec.get("abort_at") and micro == gas - 1:
                 result_extra["abort"] = abort_step(engine, spec.get("abort_fail_at"))
                 continue

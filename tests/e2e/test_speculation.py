@@ -15,7 +15,7 @@ that skips the step's join must be caught."""
 
 import pytest
 
-from harness import assert_bitwise_equal, gpus, launch, launch_cases, two_ranks_unavailable
+from harness import assert_bitwise_equal, case_results, gpus, launch, launch_cases, two_ranks_unavailable
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -81,7 +81,7 @@ def case_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculation_parity(case_runs, case):
     spec = dict(BASE, **CASES[case])
-    runs = case_runs[case]
+    runs = case_results(case_runs, case)
     plain = runs["plain"]
     steps = spec["steps"]
     for name in ("speculate", "deferred"):
