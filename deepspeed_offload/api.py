@@ -17,7 +17,7 @@ from deepspeed.utils import log_dist, logger
 
 from .config import Plan, validate
 from .ds_config import load_ds_config, resolve_config_source
-from .errors import BLOCK, ConfigError
+from .errors import BLOCK
 from .estimate import host_plan
 from .handle import HANDLE_ATTR, get_handle  # noqa: F401 (get_handle: public, re-exported)
 from .host_memory import check_host_plan
@@ -120,13 +120,15 @@ def _attach_if_trainable(engine, plan: Plan):
 
 def _check_host_memory_before_deepspeed(plan: Plan, model):
     """The host stores of this node's ranks, and what DeepSpeed pins itself, must fit: say so before
-    DeepSpeed builds anything. (The store checks again, with its exact bytes, before it pins.)"""
+    DeepSpeed builds anything. (Attach judges each node again, once, with the exact bytes, before
+    anything is pinned.)"""
     if model is None:
         return
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    host_first = plan.mode == "stream" and plan.offload.memory_budget_gb is None
     check_host_plan(host_plan(params, world, budget_gb=plan.offload.memory_budget_gb, ds_config=plan.ds_config,
-                              speculate_gb=plan.offload.speculate_memory_gb))
+                              speculate_gb=plan.offload.speculate_memory_gb, host_first=host_first))
 
 
 def attach(engine, config=None):
@@ -140,40 +142,19 @@ def attach(engine, config=None):
     return _attach_mode(engine, plan)
 
 
-def _check_engine(engine, plan: Plan):
-    if getattr(engine, HANDLE_ATTR, None) is not None:
-        raise ConfigError(BLOCK, "this engine already has optimizer-state offload attached (by initialize, "
-                          "install() or an earlier attach)")
-    if engine.zero_optimization_stage() != 3:
-        raise ConfigError("zero_optimization.stage",
-                          f"the engine runs ZeRO stage {engine.zero_optimization_stage()}; offload needs stage 3")
-    opt = engine.optimizer
-    if not hasattr(opt, "fp32_partitioned_groups_flat"):
-        raise ConfigError("zero_optimization.stage", f"the engine's optimizer ({type(opt).__name__}) is not "
-                          "DeepSpeed's ZeRO-3 optimizer: build the engine with an optimizer")
-    if getattr(opt, "use_muon", False):
-        raise ConfigError("optimizer.type", "ZeRO-3's Muon path reads and writes the fp32 state outside the "
-                          "sub-group loop that offload streams: use an Adam-family optimizer")
-    if getattr(opt, "offload_optimizer", False) or getattr(opt, "swap_optimizer", False):
-        raise ConfigError("zero_optimization.offload_optimizer.device",
-                          "the engine already uses ZeRO-Offload for the optimizer state; rebuild it without")
-    if plan.mode == "compile" and engine.is_compiled:
-        raise ConfigError(f"{BLOCK}.mode", "the engine is already compiled: attach compile mode before "
-                          "engine.compile(), or use deepspeed_offload.initialize")
-    if len(opt.fp16_groups) == 1:
-        logger.warning("[deepspeed-offload] the engine has a single ZeRO-3 sub-group: nothing to pipeline, the "
-                       "whole state passes through the GPU at once. Set zero_optimization.sub_group_size "
-                       "(or leave it unset and use deepspeed_offload.initialize).")
-
-
 def _attach_mode(engine, plan: Plan):
-    _check_engine(engine, plan)
-    if plan.mode == "stream":
-        from .runtime.stream import StreamMode
-        handle = StreamMode(engine, plan.offload)
-    else:
+    """Attach ``plan``'s mode to ``engine``: on every rank, or, when anything fails on any rank, on none
+    (runtime/attach.py), every rank raising."""
+    from .runtime.attach import attach_mode
+
+    def build(placement, prepared):
+        if plan.mode == "stream":
+            from .runtime.stream import StreamMode
+            return StreamMode(engine, plan.offload, placement, prepared.probe)
         from .compile_passes import attach_compile
-        handle = attach_compile(engine, plan.offload)
+        return attach_compile(engine, plan.offload, placement, prepared.probe)
+
+    handle = attach_mode(engine, plan, build)
     setattr(engine, HANDLE_ATTR, handle)
     _attached.add(engine)
     return handle

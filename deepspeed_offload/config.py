@@ -17,6 +17,7 @@ from packaging import version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .ds_config import get_path, load_ds_config, resolve_config_source  # noqa: F401 (re-exported)
+from .env_settings import read_env
 from .errors import BLOCK, ConfigError, pydantic_error
 from .estimate import STATE_BYTES_PER_PARAM
 from .host_memory import format_bytes
@@ -49,7 +50,11 @@ class OffloadConfig(BaseModel):
     sub_group_mb: int = Field(256, gt=0, le=MAX_SUB_GROUP_MB)
     pin_memory: bool = True
     prefetch: bool = True
+    # GPU memory for state kept resident; null: measured (runtime/placement.py), 0: offload everything.
     memory_budget_gb: Optional[float] = _gib_field()
+    # The most device memory training may use (the measured plan stays below it, less a margin; compile
+    # mode's planner too); null: what the process can have of the device.
+    max_device_memory_gb: Optional[float] = _gib_field()
     # Stream mode: load sub-groups during the last backward, as it frees memory, ahead of the step.
     overlap: bool = True
     # Device memory early loads may hold; null: derived from an iteration measured without them.
@@ -149,6 +154,8 @@ def _validate(ds_config, strict_when_disabled, world_size) -> Optional[Plan]:
                 logger.warning(f"[deepspeed-offload] {e} (the block is not enabled: ignored)")
             return None
     offload = parse_block(ds_config) if raw is not None else None
+    if offload is not None and offload.enabled:
+        read_env()  # the DS_OFFLOAD_* variables, refused here as the block's keys are
     reject_unfilled_auto(ds_config)
     ds = deepspeed_view(ds_config)
     plan = _cross_check(ds_config, offload, ds) if offload is not None and offload.enabled else None
@@ -177,6 +184,20 @@ def _cross_check(ds_config, offload: OffloadConfig, ds: DeepSpeedView) -> Plan:
         raise ConfigError("checkpoint.use_node_local_storage",
                           f"async checkpoints commit 'latest' once rank 0 sees every rank's files, which node-local "
                           f"storage hides from it: turn one of the two off ({BLOCK}.async_checkpoint)")
+    if offload.async_checkpoint:
+        for key, on in (("checkpoint.writer", get_path(ds_config, "checkpoint.writer", None) is not None),
+                        ("datastates_ckpt.enabled", bool(get_path(ds_config, "datastates_ckpt.enabled", False))),
+                        ("nebula.enabled", bool(get_path(ds_config, "nebula.enabled", False)))):
+            if on:
+                raise ConfigError(key, f"selects another checkpoint engine, which {BLOCK}.async_checkpoint would "
+                                  "replace (its files are written from the host store by deepspeed-offload's own "
+                                  f"writer): turn one of the two off")
+    if offload.overlap_memory_gb is not None and not offload.overlap:
+        raise ConfigError(f"{BLOCK}.overlap_memory_gb", f"caps what loads early in backward, which only {BLOCK}.overlap "
+                          "does: remove it, or set overlap to true")
+    if offload.max_device_memory_gb is not None and offload.memory_budget_gb is not None:
+        raise ConfigError(f"{BLOCK}.max_device_memory_gb", "bounds the measured plan, which memory_budget_gb set by "
+                          "hand replaces: set one of the two (memory_budget_gb: null lets the plan measure)")
 
     deepcompile = bool(ds.compile.deepcompile)  # as DeepSpeed reads it: "true" and 1 turn it on too
     mode = offload.mode or ("compile" if deepcompile else "stream")
@@ -191,6 +212,12 @@ def _cross_check(ds_config, offload: OffloadConfig, ds: DeepSpeedView) -> Plan:
             raise ConfigError(f"{BLOCK}.speculate_memory_gb", "speculation updates sub-groups in backward, "
                               f"where only overlap loads them: set {BLOCK}.overlap to true or this to 0")
 
+    param_dev = ds.zero.offload_param.device if ds.zero.offload_param is not None else "none"
+    if mode == "stream" and param_dev == "nvme":
+        raise ConfigError("zero_optimization.offload_param.device",
+                          "is 'nvme': ZeRO-3 then swaps the 16-bit partitions to NVMe and keeps none on the host "
+                          "or device where the streamed step copies each update (fp16_partitioned_groups_flat): "
+                          "use 'cpu' or 'none', or leave the block disabled for ZeRO-Infinity")
     if mode == "compile":
         if not deepcompile:
             raise ConfigError(f"{BLOCK}.mode", "is 'compile' but compile.deepcompile is not true: "
@@ -199,7 +226,6 @@ def _cross_check(ds_config, offload: OffloadConfig, ds: DeepSpeedView) -> Plan:
             if getattr(ds.compile, key):
                 raise ConfigError(f"compile.{key}", f"conflicts with {BLOCK} in compile mode "
                                   "(both would move the same memory): set it to false")
-        param_dev = ds.zero.offload_param.device if ds.zero.offload_param is not None else "none"
         if param_dev in ("cpu", "nvme"):
             alias = (" (from the deprecated cpu_offload_param: true)"
                      if "cpu_offload_param" in ds_config["zero_optimization"] else "")

@@ -63,12 +63,14 @@ def deepspeed_pinned_per_rank(params: int, world: int, ds_config: Optional[Dict[
 
 
 def host_plan(params: int, world: int, ranks_per_node: Optional[int] = None, budget_gb: Optional[float] = None,
-              ds_config: Optional[Dict[str, Any]] = None, speculate_gb: Optional[float] = 0.0) -> HostPlan:
+              ds_config: Optional[Dict[str, Any]] = None, speculate_gb: Optional[float] = 0.0,
+              host_first: bool = False) -> HostPlan:
     """What the ``ranks_per_node`` ranks of a node pin for ``params`` parameters over ``world`` ranks:
     each rank's store (its state less what ``budget_gb`` keeps on the GPU, plus what ``speculate_gb``
-    adds), and DeepSpeed's own."""
+    adds), and DeepSpeed's own. ``host_first`` (the budget derived, stream mode): the store takes
+    what the host can give and the GPU keeps the rest, so only what is asked for besides it counts."""
     ranks = ranks_per_node or local_ranks()
-    store = max(0, state_bytes_per_rank(params, world) - int((budget_gb or 0) * 2**30))
-    speculation = speculation_bytes(store, speculate_gb)
+    store = 0 if host_first else max(0, state_bytes_per_rank(params, world) - int((budget_gb or 0) * 2**30))
+    speculation = speculation_bytes(state_bytes_per_rank(params, world) if host_first else store, speculate_gb)
     return HostPlan(store_per_rank=store + speculation, ranks=ranks, speculation_per_rank=speculation,
                     deepspeed_pinned=deepspeed_pinned_per_rank(params, world, ds_config) * ranks, budget_gb=budget_gb)

@@ -11,11 +11,34 @@ runs the whole of it under DeepCompile on a GPU.
 """
 
 
-def attach_compile(engine, offload_config):
+import weakref
+
+# The engine whose pass is in DeepSpeed's pass table: DeepCompile keeps one table and one schedule
+# per process (``deepspeed.compile.backend``), so a second engine's pass would replace the first's
+# and the first engine's next compile phase would act on the second one's host store.
+_engine_with_pass = None
+
+
+def engine_with_pass():
+    """The live engine of this process that compile mode is attached to, or None."""
+    from ..handle import get_handle
+    engine = _engine_with_pass() if _engine_with_pass is not None else None
+    return engine if engine is not None and get_handle(engine) is not None else None
+
+
+def attach_compile(engine, offload_config, placement=None, probe=None):
     """Compile mode on ``engine`` (before ``engine.compile()``): the runtime, and our pass in the
-    schedule ``engine.compile()`` will run. Returns the handle."""
+    schedule ``engine.compile()`` will run. Returns the handle; on a failure nothing is left."""
+    global _engine_with_pass
+    from ..runtime.attach import fault_point
     from .mode import CompileMode
     from .schedule import install
-    mode = CompileMode(engine, offload_config)
-    install(engine, mode)
+    mode = CompileMode(engine, offload_config, placement, probe)
+    try:
+        fault_point("compile setup")
+        install(engine, mode)
+    except BaseException:
+        mode.detach()
+        raise
+    _engine_with_pass = weakref.ref(engine)
     return mode

@@ -40,6 +40,7 @@ from typing import Dict
 
 from deepspeed.utils import log_dist
 
+from ..runtime.attach import Placement
 from ..runtime.stream import StreamMode
 from . import ops
 
@@ -63,8 +64,8 @@ class CompileMode(StreamMode):
     reload ops the planner places load early instead of the gradient hook, and ``offload_launch`` at
     the next forward's head writes back what the step left in buffers of its own."""
 
-    def __init__(self, engine, cfg, is_profiling=_deepcompile_is_profiling):
-        super().__init__(engine, cfg, early_in_backward=False, defer_write_back=True)
+    def __init__(self, engine, cfg, placement=None, probe=None, is_profiling=_deepcompile_is_profiling):
+        super().__init__(engine, cfg, placement, probe, early_in_backward=False, defer_write_back=True)
         self.is_profiling = is_profiling
         self.counters: Dict[str, int] = dict(launches=0, reloads=0, empty_cache=0, syncs=0, bytes_offloaded=0,
                                              bytes_reloaded=0, phases=0)
@@ -72,14 +73,16 @@ class CompileMode(StreamMode):
         # early are therefore the last of the order, and they are written back in the same order
         # so that the next reload of each finds its own write-back done first.
         self.priority = list(reversed(self.order))
-        self._planner_budget = self._agreed_budget()
+        self._planner_budget = self._budget(placement)
         self._empty_cache_armed = False
         self.ops_key = ops.bind(self)
         log_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
                  ranks=[0])
 
     def detach(self):
+        from .schedule import unregister
         ops.unbind(self.ops_key)
+        unregister(self)
         super().detach()
 
     @property
@@ -88,27 +91,23 @@ class CompileMode(StreamMode):
         policy's, which prefetch leaves alone and the step loads into buffers of their own."""
         return self.timing.kept
 
-    def _resident_budget_bytes(self) -> int:
-        return 0  # capacity-first: at attach nothing is known of the graphs; the pass decides what stays
+    def _placement_without_agreement(self):
+        return Placement(resident=0, twins_budget=0, host_first=False, store_cap=self.probe.total)
 
     def planner_budget_bytes(self) -> int:
         return self._planner_budget
 
-    def _agreed_budget(self) -> int:
-        """The smallest budget of all ranks: every rank must place the same reload nodes, since
-        DeepCompile's profiler runs a collective per node."""
-        import torch
-        import deepspeed.comm as dist
-        acc = self.acc
+    def _budget(self, placement) -> int:
+        """The same budget on every rank (every rank must place the same reload nodes, since
+        DeepCompile's profiler runs a collective per node): ``memory_budget_gb``, or a share of the
+        smallest device among the ranks (attach exchanged their sizes)."""
         if self.cfg.memory_budget_gb is not None:
-            budget = int(self.cfg.memory_budget_gb * 2**30)
-        else:
-            budget = 0 if self.copies.synchronous else int(acc.total_memory() * (1 - MARGIN))
-        if dist.is_initialized():
-            t = torch.tensor([budget], dtype=torch.int64, device=acc.current_device_name())
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.engine.data_parallel_group)
-            budget = int(t.item())
-        return budget
+            return int(self.cfg.memory_budget_gb * 2**30)
+        if self.copies.synchronous:
+            return 0
+        total = placement.min_device_total if placement is not None and placement.min_device_total else \
+            self.acc.total_memory()
+        return int(total * (1 - MARGIN))
 
     def sub_group_bytes(self, i) -> int:
         return self.layout.nbytes[i]

@@ -172,6 +172,13 @@ def _evicting_first(launch, mode):
     return launch_compile_passes
 
 
+def unregister(mode):
+    """Take ``mode``'s pass out of DeepSpeed's pass table (it stays where another mode's replaced it)."""
+    from deepspeed.compile import backend
+    if isinstance(backend.opt_passes.get(NAME), OffloadPass) and backend.opt_passes[NAME].mode is mode:
+        del backend.opt_passes[NAME]
+
+
 def install(engine, mode):
     """Register the pass and make ``engine.compile()`` run the schedule with it. Both engine hooks
     go through ``mode.patches``, so ``mode.detach()`` removes them with the rest."""

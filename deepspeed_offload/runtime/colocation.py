@@ -72,6 +72,11 @@ class StateOffload:
         self.offload_bytes = 0  # moved by the last offload_states() for hp_params and optim_states
         self.reload_bytes = 0  # ... and by the last reload_states()
 
+    def layout_changed(self):
+        """The measured plan changed which sub-groups are resident (between steps, nothing offloaded):
+        the host copy of the resident ones is made anew at the next offload_states()."""
+        self.resident_stores.clear()
+
     def refuse_if_offloaded(self, what: str):
         if self.opt.offloaded_states:
             names = ", ".join(sorted(s.value for s in self.opt.offloaded_states))
@@ -88,7 +93,7 @@ class StateOffload:
             raise StatesOffloaded("deepspeed-offload: engine.offload_states() called inside a step")
         wanted = [k for k in (list(OffloadStateTypeEnum) if include is None else list(include))
                   if k not in opt.offloaded_states]
-        mode._discard_speculation("offload_states")  # updated from the state that moves now
+        mode.discard_speculation("offload_states")  # updated from the state that moves now
         opt.empty_partition_cache()  # as DeepSpeed: the gathered parameters are released first
         ours = [k for k in OURS if k in wanted]
         moved = 0

@@ -43,10 +43,12 @@ class Slice:
 class HostStore:
 
     def __init__(self, layout: Dict[int, List[Tuple[str, torch.dtype, int]]], pin_memory: bool, budget_gb=None,
-                 warn_pageable: bool = True, what: str = f"{BLOCK}.pin_memory", twins: Iterable[int] = ()):
+                 warn_pageable: bool = True, what: str = f"{BLOCK}.pin_memory", twins: Iterable[int] = (),
+                 check_host: bool = True):
         """``layout[sub_group] = [(key, dtype, numel), ...]`` for every sub-group it holds. ``what``:
         the setting a pinning failure names (the block's ``pin_memory``, or ``offload_states``'s).
-        ``twins``: the sub-groups that get a second region (speculation)."""
+        ``twins``: the sub-groups that get a second region (speculation). ``check_host``: check that
+        every local rank's store of this size fits the node now (attach judged the node already)."""
         self.slices: Dict[int, Dict[str, Slice]] = {}
         # side -> sub_group -> dtype -> (start, numel); side 1 exists for the twins only
         self.sides: Tuple[Dict[int, Dict[torch.dtype, Tuple[int, int]]], ...] = ({}, {})
@@ -74,7 +76,8 @@ class HostStore:
         self.twin_nbytes = sum(n * size[dt] for sg in self.twins for dt, n in self.region_numel(sg).items())
         # Every rank on this node pins a store of about this size: all of them must fit, checked
         # with the exact bytes before the first byte is pinned.
-        check_host_plan(HostPlan(self.nbytes, local_ranks(), budget_gb=budget_gb))
+        if check_host:
+            check_host_plan(HostPlan(self.nbytes, local_ranks(), budget_gb=budget_gb))
         acc = get_accelerator()
         bounds = {dt: [] for dt in totals}
         for regions in self.sides:

@@ -1,11 +1,13 @@
-"""The layout of the offloaded state, computed once at attach and never changed afterwards.
+"""The layout of the offloaded state: what each sub-group moves, and one placement's figures.
 
-Which tensors each ZeRO-3 sub-group moves (its fp32 master unless that *is* the model's partition,
-plus the per-parameter tensors the optimizer creates), how many bytes that is, which sub-groups stay
-resident within ``memory_budget_gb`` (the first ones, in step order) and which are offloaded (the
-rest, in step order), how large a staging slot must be (the largest offloaded sub-group, per dtype),
-and the largest fp32 gradient the step builds for one sub-group (what the step allocates on top of
-the state it holds). Everything else in the runtime reads these figures instead of recomputing them.
+``probe_layout`` runs once at attach: which tensors each ZeRO-3 sub-group moves (its fp32 master
+unless that *is* the model's partition, plus the per-parameter tensors the optimizer creates) and
+how many bytes that is. ``Probe.split(k)`` makes the ``Layout`` of one placement: the first ``k``
+sub-groups (in step order) resident, the rest offloaded in step order, how large a staging slot
+must be (the largest offloaded sub-group, per dtype) and the largest fp32 gradient the step builds
+for one sub-group. The placement is decided at attach and, with the budget derived, again after the
+measuring iteration (placement.py); everything else in the runtime reads the current Layout's
+figures instead of recomputing them.
 """
 
 from dataclasses import dataclass
@@ -52,16 +54,62 @@ class Layout:
     entries: Dict[int, List[Entry]]  # offloaded sub-group -> what moves
     nbytes: Dict[int, int]  # offloaded sub-group -> bytes it moves each way
     order: List[int]  # offloaded sub-groups, in the order the step updates them
-    resident: List[int]  # sub-groups kept on the device within memory_budget_gb
+    resident: List[int]  # sub-groups whose state stays on the device
     resident_entries: Dict[int, List[Entry]]  # resident sub-group -> what engine.offload_states() moves
     slot_numel: Dict[torch.dtype, int]  # one staging slot: the largest offloaded region, per dtype
     slot_bytes: int
     grad_bytes: int  # the largest fp32 gradient the step builds for one sub-group
 
 
-def compute_layout(opt, budget_bytes: int) -> Layout:
-    """The layout of ZeRO-3 optimizer ``opt``'s sub-groups, keeping the first ones resident while
-    their state fits ``budget_bytes``."""
+@dataclass(frozen=True)
+class Probe:
+    """What every sub-group of the optimizer moves, before anything is decided: ``split`` makes the
+    Layout of one placement (the first ``k`` sub-groups resident)."""
+    entries: List[List[Entry]]  # per sub-group (empty: nothing to move)
+    grad_bytes: int
+    existing: List[int]  # per sub-group: bytes of its tensors that exist now (on the device)
+
+    @property
+    def total(self) -> int:
+        return sum(self.nbytes_in_order())
+
+    def nbytes(self, i: int) -> int:
+        return sum(numel * element_size(dt) for _, dt, numel in self.entries[i])
+
+    def nbytes_in_order(self) -> List[int]:
+        return [self.nbytes(i) for i in range(len(self.entries))]
+
+    def resident_bytes(self, k: int) -> int:
+        return sum(self.nbytes(i) for i in range(k))
+
+    def fitting(self, budget_bytes: int) -> int:
+        """How many of the first sub-groups fit ``budget_bytes`` (``memory_budget_gb``)."""
+        return len(fitting_prefix(range(len(self.entries)), self.nbytes, budget_bytes))
+
+    def split(self, k: int) -> Layout:
+        """The layout with the first ``k`` sub-groups resident and the rest offloaded."""
+        n = len(self.entries)
+        resident = list(range(min(k, n)))
+        order = [i for i in range(len(resident), n) if self.entries[i]]
+        slot_numel: Dict[torch.dtype, int] = {}
+        for i in order:
+            per_dtype: Dict[torch.dtype, int] = {}
+            for _, dt, numel in self.entries[i]:
+                per_dtype[dt] = per_dtype.get(dt, 0) + numel
+            for dt, numel in per_dtype.items():
+                slot_numel[dt] = max(slot_numel.get(dt, 0), numel)
+        return Layout(entries={i: self.entries[i] for i in order},
+                      nbytes={i: self.nbytes(i) for i in order},
+                      order=order,
+                      resident=resident,
+                      resident_entries={i: self.entries[i] for i in resident if self.entries[i]},
+                      slot_numel=slot_numel,
+                      slot_bytes=sum(numel * element_size(dt) for dt, numel in slot_numel.items()),
+                      grad_bytes=self.grad_bytes)
+
+
+def probe_layout(opt) -> Probe:
+    """What each of ZeRO-3 optimizer ``opt``'s sub-groups moves."""
     masters = opt.fp32_partitioned_groups_flat
     n = len(masters)
     # Without mixed precision the fp32 master *is* the model's partition: it stays on the device.
@@ -76,26 +124,22 @@ def compute_layout(opt, budget_bytes: int) -> Layout:
         out = [(MASTER, masters[i].dtype, numel)] if master_moves[i] else []
         return out + [(k, dt, numel) for k, dt in states_by_group[opt.sub_group_to_group_id[i]].items()]
 
-    def nbytes(i) -> int:
-        return sum(numel * element_size(dt) for _, dt, numel in entries(i))
+    def existing(i) -> int:
+        state = opt.optimizer.state.get(masters[i], {})
+        tensors = [masters[i]] if master_moves[i] else []
+        tensors += [state[k] for k, _, _ in entries(i) if k != MASTER and torch.is_tensor(state.get(k))]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    resident = fitting_prefix(range(n), nbytes, budget_bytes)
-    order = [i for i in range(n) if i not in resident and entries(i)]
-    slot_numel: Dict[torch.dtype, int] = {}
-    for i in order:
-        per_dtype: Dict[torch.dtype, int] = {}
-        for _, dt, numel in entries(i):
-            per_dtype[dt] = per_dtype.get(dt, 0) + numel
-        for dt, numel in per_dtype.items():
-            slot_numel[dt] = max(slot_numel.get(dt, 0), numel)
-    return Layout(entries={i: entries(i) for i in order},
-                  nbytes={i: nbytes(i) for i in order},
-                  order=order,
-                  resident=resident,
-                  resident_entries={i: entries(i) for i in resident if entries(i)},
-                  slot_numel=slot_numel,
-                  slot_bytes=sum(numel * element_size(dt) for dt, numel in slot_numel.items()),
-                  grad_bytes=max((m.numel() * element_size(m.dtype) for m in masters), default=0))
+    return Probe(entries=[entries(i) for i in range(n)],
+                 grad_bytes=max((m.numel() * element_size(m.dtype) for m in masters), default=0),
+                 existing=[existing(i) for i in range(n)])
+
+
+def compute_layout(opt, budget_bytes: int) -> Layout:
+    """The layout of ZeRO-3 optimizer ``opt``'s sub-groups, keeping the first ones resident while
+    their state fits ``budget_bytes``."""
+    probe = probe_layout(opt)
+    return probe.split(probe.fitting(budget_bytes))
 
 
 def fitting_prefix(items: Iterable[int], nbytes: Callable[[int], int], budget: int) -> List[int]:

@@ -23,6 +23,14 @@ at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 ``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
 lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
 (no device memory of its own) there is nothing to measure and no limit.
+
+The table holds for iterations like the measured one. Each later boundary backward is checked
+against it: the memory allocated when it begins (more activations: a layer first used now, a longer
+sequence) and, hook by hook, which parameter's gradient arrives (a router that picks other experts, a
+layer unfrozen or first used). On the first difference the backward **diverges**: what was loaded
+early is given back (``take_divergence``, stream mode releases it), nothing more loads in it, and the
+next iteration is measured again (without early loads) before they resume. The measured plan
+(placement.py) also reads each measurement: the iteration's reserved peak.
 """
 
 import math
@@ -32,6 +40,13 @@ from typing import Iterable, List, Optional
 PREFETCH_SHARE = 0.9
 # The iteration that is measured: the one that ends with this step (1-based).
 MEASURED_STEP = 2
+# A boundary backward that begins with more than this allocated beyond the measured iteration diverges.
+LEVEL_TOLERANCE = 16 * 2**20
+
+
+def hook_key(param) -> int:
+    """Which parameter a gradient hook is for: ZeRO-3's id of it (Python's id for anything else)."""
+    return getattr(param, "ds_id", None) if getattr(param, "ds_id", None) is not None else id(param)
 
 
 class LoadTiming:
@@ -48,10 +63,19 @@ class LoadTiming:
         self.steps = 0  # steps that ran to their end
         self.peak_off: Optional[int] = None  # the measured iteration's peak (no early loads)
         self.future: List[int] = []  # per hook of its boundary backward: the highest allocation after it
+        self.peak_reserved: Optional[int] = None  # ... and its reserved peak
+        self.level: Optional[int] = None  # allocated when its boundary backward began
+        self.keys: List[int] = []  # which parameter each hook of its boundary backward was for
+        self.measure_always = False  # measure even where no early loads need it (the measured plan)
+        self.measurements = 0  # measurements finished
+        self.divergences = 0  # boundary backwards that differed from the measured one
         self._measuring = False
         self._intervals: List[int] = []  # the measured iteration's peaks between its hooks
+        self._reserved = 0  # the measured iteration's reserved peak so far
         self._hook = -1  # gradient hooks seen in this boundary backward
         self._boundary = False
+        self._diverged = False  # this boundary backward differs from the measured one
+        self._released = True  # its divergence has been acted on (take_divergence)
 
     # ------------------------------------------------------------------ events
 
@@ -63,20 +87,59 @@ class LoadTiming:
         if not boundary:
             return False
         self._interval()  # forward (and the earlier micro-batches)
+        if self._measuring:
+            self.level, self.keys = self.acc.memory_allocated(), []
+        elif self._guarding() and self.acc.memory_allocated() > self.level + LEVEL_TOLERANCE:
+            self._diverge()
         if not self.prefetch or self.allowance() is not None:
             return False
         if self.synchronous:
             return True
         return self.acc.max_memory_allocated() + 2 * self.slot_bytes <= PREFETCH_SHARE * self.acc.total_memory()
 
-    def gradient_ready(self) -> Optional[int]:
-        """A gradient hook of backward ran (and freed what it frees). Returns the bytes early loads
-        may hold in all from now on, or None when none may load now."""
+    def gradient_ready(self, param=None) -> Optional[int]:
+        """A gradient hook of backward ran for ``param`` (and freed what it frees). Returns the bytes
+        early loads may hold in all from now on, or None when none may load now."""
         if not self._boundary:
             return None
         self._hook += 1
         self._interval()
+        key = hook_key(param)
+        if self._measuring:
+            self.keys.append(key)
+        elif self._guarding() and not self._diverged and (self._hook >= len(self.keys) or self.keys[self._hook] != key):
+            self._diverge()
         return self.allowance()
+
+    def _guarding(self) -> bool:
+        """The allowances come from a measurement (not a fixed cap): they hold only for like iterations."""
+        return bool(self.future) and self.early_in_backward and self.early_cap is None
+
+    def _diverge(self):
+        self._diverged, self._released = True, False
+        self.divergences += 1
+
+    def take_divergence(self) -> bool:
+        """Whether this backward just diverged from the measured one (once): the caller gives back what
+        was loaded early."""
+        if self._released:
+            return False
+        self._released = True
+        return True
+
+    def shift(self, nbytes: int):
+        """The state resident on the device changed by ``nbytes`` (the measured plan): every figure of the
+        measured iteration moves with it (the allowances stay the same)."""
+        if self.peak_off is not None:
+            self.peak_off += nbytes
+            self.future = [f + nbytes for f in self.future]
+            self.level += nbytes
+            self.peak_reserved += nbytes
+
+    def remeasure(self):
+        """Measure the next iteration (without early loads) before they resume."""
+        self.future = []
+        self._start_measurement()
 
     def step_begins(self):
         self._boundary = False
@@ -88,19 +151,21 @@ class LoadTiming:
         if self._measuring:
             self._interval()
             self._finish_measurement()
-        elif self.steps == MEASURED_STEP - 1 and self._measurable():
-            self._start_measurement()
+        elif (self.steps == MEASURED_STEP - 1 or self._diverged) and self._measurable():
+            self.remeasure()
+        self._diverged = False
 
     def step_skipped(self):
         """DeepSpeed skipped the step (overflow, non-finite norm): a measurement of it is void."""
         if self._measuring:
             self._start_measurement()  # measure the next iteration instead
+        self._diverged = False
 
     # ------------------------------------------------------------------ decisions
 
     def allowance(self) -> Optional[int]:
         """Bytes early loads may hold in all at the current point of backward; None: none now."""
-        if not self.early_in_backward or not self._boundary:
+        if not self.early_in_backward or not self._boundary or self._diverged:
             return None
         cap = math.inf if self.early_cap is None else self.early_cap
         if self.synchronous:
@@ -124,21 +189,29 @@ class LoadTiming:
     # ------------------------------------------------------------------ measurement
 
     def _measurable(self) -> bool:
-        return self.early_in_backward and self.early_cap is None and not self.synchronous
+        return (self.measure_always or (self.early_in_backward and self.early_cap is None)) and not self.synchronous
+
+    @property
+    def measuring(self) -> bool:
+        return self._measuring
 
     def _start_measurement(self):
         self._measuring = True
         self._intervals = []
+        self._reserved = 0
         self.acc.reset_peak_memory_stats()
 
     def _interval(self):
-        """Close the interval since the last one: its peak, then the statistics reset."""
+        """Close the interval since the last one: its peaks, then the statistics reset."""
         if self._measuring:
             self._intervals.append(self.acc.max_memory_allocated())
+            self._reserved = max(self._reserved, self.acc.max_memory_reserved())
             self.acc.reset_peak_memory_stats()
 
     def _finish_measurement(self):
         self._measuring = False
+        self.measurements += 1
+        self.peak_reserved = self._reserved
         hooks = self._hook + 1 if self._hook >= 0 else 0
         intervals = self._intervals
         self.peak_off = max(intervals)

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..env_settings import read_env
 from ..host_memory import format_bytes, memlock_hint, node_cpus
 
 # Slabs are cut at region boundaries once they reach this size (a region larger than it is a slab).
@@ -37,10 +38,7 @@ PROGRESS_AFTER_S = 2.0
 
 
 def pin_threads() -> int:
-    env = os.environ.get("DS_OFFLOAD_PIN_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(DEFAULT_PIN_THREADS, os.cpu_count() or 1))
+    return read_env().pin_threads or max(1, min(DEFAULT_PIN_THREADS, os.cpu_count() or 1))
 
 
 def cut_slabs(region_bounds: Sequence[Tuple[int, int]], slab_bytes: Optional[int] = None) -> List[Tuple[int, int]]:

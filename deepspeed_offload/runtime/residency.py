@@ -96,11 +96,11 @@ class Residency:
 class ResidencyTable:
     """Every offloaded sub-group's ``Residency``, the two staging slots, the copies between them."""
 
-    def __init__(self, store: HostStore, copies, slot_numel):
+    def __init__(self, store: HostStore, copies, offloaded: Iterable[int], slot_numel):
         self.store = store
         self.copies = copies
         self.slot_numel = slot_numel
-        self.of: Dict[int, Residency] = {i: Residency(i) for i in store.slices}
+        self.of: Dict[int, Residency] = {i: Residency(i) for i in offloaded}
         self.slots: Optional[List[dict]] = None  # two dicts dtype -> buffer, while a step needs them
         self.slot_free: List[object] = [None, None]  # per slot: what a load into it waits for
         self.last_load = None  # event of the newest H2D
@@ -202,6 +202,14 @@ class ResidencyTable:
         self.copies.wait_host(self.last_write)
         for i in self.in_phase(Phase.WRITING_BACK):
             self.of[i].move(Phase.ON_HOST)
+
+    def set_offloaded(self, offloaded: Iterable[int], slot_numel):
+        """The offloaded sub-groups changed (the measured plan, between steps): those that stay keep
+        their ``Residency``, new ones start ON_HOST; the slots are sized for the new set."""
+        assert self.slots is None and not self.in_phase(Phase.LOADING, Phase.ON_DEVICE, Phase.UPDATED), \
+            "deepspeed-offload: the offloaded set changes only between steps, with nothing on the device"
+        self.of = {i: self.of.get(i) or Residency(i) for i in offloaded}
+        self.slot_numel = slot_numel
 
     # ------------------------------------------------------------------ slots
 

@@ -132,6 +132,14 @@ class Speculation:
         self._grad_numel = max((m.numel() for m in masters), default=0)
         self._grad_bytes = max((m.numel() * m.element_size() for m in masters), default=0)
 
+    def keep_members(self, offloaded):
+        """The measured plan made some sub-groups resident: they speculate no more (their second regions
+        stay unused). Between steps, with nothing speculated."""
+        self.members = frozenset(i for i in self.members if i in set(offloaded))
+        self.group_of = {k: i for k, i in self.group_of.items() if i in self.members}
+        self.needed = {i: n for i, n in self.needed.items() if i in self.members}
+        self.load_order = [i for i in self.load_order if i in self.members]
+
     def describe(self) -> str:
         store = self.mode.store
         return f"{len(self.members)} sub-groups speculate ({format_bytes(store.twin_nbytes)} second host regions)"
@@ -202,7 +210,7 @@ class Speculation:
         if not state or any(key not in state for key in store.slices[i] if key != MASTER):
             return  # the optimizer creates its state at its first step: nothing to speculate on yet
         if not self._guarded:
-            mode._guard()  # an async checkpoint may still read the region this writes
+            mode.guard()  # an async checkpoint may still read the region this writes
             self._guarded = True
         group = self.base.param_groups[opt.sub_group_to_group_id[i]]
         lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype

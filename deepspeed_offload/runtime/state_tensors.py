@@ -61,6 +61,15 @@ class StateTensors:
         for i in self.order:
             self.move_into(i, lambda key: self.store.view(i, key))
 
+    def back_to_device(self, device):
+        """Every tensor that points at its host slice gets a device copy of it again (detach, a failed
+        attach: one moved half-way leaves the others where they were)."""
+        for i in self.order:
+            for key in self.store.slices[i]:
+                t, host = self.get(i, key), self.store.view(i, key)
+                if t is not None and t.data_ptr() == host.data_ptr():
+                    t.data = host.to(device, copy=True)
+
     def host_resident(self) -> bool:
         return all(
             self.get(i, key) is None or self.get(i, key).data_ptr() == self.store.view(i, key).data_ptr()

@@ -28,7 +28,8 @@ import torch
 
 import deepspeed_offload
 from deepspeed_offload.runtime import checkpoint as ck
-from deepspeed_offload.runtime.checkpoint import agreement, checkpointer, commit, files, names, writer
+from deepspeed_offload.runtime import agreement
+from deepspeed_offload.runtime.checkpoint import checkpointer, commit, files, names, writer
 from deepspeed_offload.runtime.checkpoint.errors import describe_os_error
 from deepspeed_offload.runtime.checkpoint.options import Faults, Settings
 from deepspeed_offload.runtime.patches import PatchRegistry

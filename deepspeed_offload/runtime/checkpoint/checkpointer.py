@@ -22,7 +22,7 @@ from deepspeed.utils import log_dist, logger
 
 from ...handle import get_handle
 from ..patches import PatchRegistry
-from . import agreement
+from .. import agreement
 from .commit import recover, remove_leftovers
 from .errors import CheckpointLoadError, CheckpointWriteError, describe_os_error
 from .names import ALIVE, staging_dir

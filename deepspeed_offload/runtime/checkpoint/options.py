@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+from ...env_settings import read_env
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -21,10 +23,10 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
-        d = cls()
-        return cls(commit_timeout_s=float(environ.get("DS_OFFLOAD_COMMIT_TIMEOUT", d.commit_timeout_s)),
-                   heartbeat_interval_s=float(environ.get("DS_OFFLOAD_HEARTBEAT_INTERVAL", d.heartbeat_interval_s)),
-                   heartbeat_timeout_s=float(environ.get("DS_OFFLOAD_HEARTBEAT_TIMEOUT", d.heartbeat_timeout_s)))
+        """From the ``DS_OFFLOAD_*`` variables (env_settings.py: a bad value is a ConfigError naming it)."""
+        env = read_env(environ)
+        return cls(commit_timeout_s=env.commit_timeout, heartbeat_interval_s=env.heartbeat_interval,
+                   heartbeat_timeout_s=env.heartbeat_timeout)
 
 
 @dataclass(frozen=True)

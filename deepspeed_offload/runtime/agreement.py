@@ -1,13 +1,16 @@
-"""How the ranks agree: on a save's id, and on whether anything failed, so that every rank raises
-the same error at the same call and no rank is left waiting in a collective.
+"""How the ranks agree: on whether anything failed, on a save's id, and on the figures each rank
+brings to attach, so that every rank raises the same error at the same call and no rank is left
+waiting in a collective.
 
-``agree`` costs one one-element all-reduce when nothing failed; only after a failure do the ranks
-exchange their messages (``exchange_messages``), so each rank's error names the failing rank, the
-path and the cause. Without a process group (or with one rank) nothing is communicated.
+Attach (runtime/attach.py) and the asynchronous checkpoints use it. ``agree`` costs one one-element
+all-reduce when nothing failed; only after a failure do the ranks exchange their messages
+(``exchange_messages``), so each rank's error names the failing rank, the path and the cause.
+``exchange_numbers`` gives every rank every rank's row of integers. Without a process group (or
+with one rank) nothing is communicated.
 """
 
 import secrets
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,6 +66,19 @@ def exchange_messages(message: Optional[str]) -> List[Tuple[int, str]]:
         if text:
             out.append((r, text))
     return out
+
+
+def exchange_numbers(row: Sequence[int]) -> List[List[int]]:
+    """Every rank's ``row`` (the same length on every rank), on every rank: one all-reduce of world x len."""
+    dist = _dist()
+    if dist is None:
+        return [list(row)]
+    rank, world = rank_world()
+    buf = torch.zeros(world, len(row), dtype=torch.int64)
+    buf[rank] = torch.tensor([int(v) for v in row], dtype=torch.int64)
+    buf = buf.to(_device())
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf.cpu().tolist()
 
 
 def agree(message: Optional[str]) -> List[Tuple[int, str]]:

@@ -1,0 +1,252 @@
+"""Where each sub-group's state lives: the node's host plan at attach, and the measured plan after.
+
+Placement is a number per rank: the first ``resident`` sub-groups (in step order) keep their state
+on the device, the rest live in the host store. It is decided twice.
+
+**At attach** (``plan_node``), once per node, from one exchange of every rank's figures
+(``RankFigures``: its state, what it asks for, and, from each node's first local rank, the node's
+host memory read before anyone pinned):
+
+- ``memory_budget_gb`` set: its sub-groups stay resident, the rest is stored; the node's stores
+  must fit in what the node can give, or every rank raises the same ``ConfigError``;
+- unset (null, the default): **host first**. Each rank stores as much of its state as its share of
+  the node's host memory holds (shares in proportion to the ranks' state), the rest stays resident.
+  A model whose state the host can hold is measured fully offloaded; a larger one (a 13B's 145 GiB
+  on a 125 GiB host) starts with the part the host cannot hold on the device;
+- speculation's second regions (``speculate_memory_gb`` null) come out of what the stores leave,
+  shared among the node's ranks; none is left: speculation is off, and the node's line says so.
+
+**After the measuring iteration** (``MeasuredPlan``, budget unset, on a device with memory of its
+own): the iteration's reserved peak is known with the state offloaded as above, so the plan keeps
+resident as many more of the streamed sub-groups as fit below the device limit (``max_device_memory_gb``,
+or what this process can have of the device) less ``MARGIN``. Early loads, speculation's updates
+and the staging slots were in that peak; each sub-group made resident adds its bytes to it. When an
+iteration later reserves more than the limit less half the margin (the shapes grew: a longer
+sequence), the plan gives back what it made resident, as much as the excess, and asks for a new
+measurement. An iteration that grows by more than the margin at once runs out of device memory
+before anything can react: set ``max_device_memory_gb`` below the device, or run the largest shape
+in the first two iterations.
+"""
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import BLOCK, ConfigError
+from ..host_memory import HostMemory, format_bytes
+
+GiB = 2**30
+# Device memory the measured plan leaves free below the limit: the larger of this share and this size.
+MARGIN_SHARE = 0.03
+MARGIN_MIN = 1 * GiB
+
+
+# ---------------------------------------------------------------------------------------------- at attach
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank brings to attach's exchange (integers, so that one all-reduce carries them)."""
+    node: int  # the node this rank runs on (the launcher's node rank)
+    local_rank: int
+    state: int  # bytes of every offloadable sub-group's state
+    budget_store: int  # bytes its store needs under memory_budget_gb; -1: the budget is derived
+    speculate: int  # bytes of second regions asked for; -1: derived from what is spare; 0: none
+    deepspeed_pinned: int  # host memory DeepSpeed pins itself for this rank (ZeRO-3's parameter offload)
+    device_free: int  # device memory this rank could still have (its own reserved included)
+    device_total: int
+    # the node's host as its first local rank read it (zeros on the other ranks); cgroup_limit -1: none
+    mem_total: int = 0
+    mem_available: int = 0
+    cgroup_limit: int = -1
+    cgroup_usage: int = 0
+
+    def row(self) -> List[int]:
+        return [int(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[int]) -> "RankFigures":
+        return cls(*[int(v) for v in row])
+
+    @classmethod
+    def read_host(cls, **figures) -> "RankFigures":
+        """This rank's figures; the node's host memory too when it is the node's first local rank."""
+        if figures["local_rank"] != 0:
+            return cls(**figures)
+        mem = HostMemory.read()
+        return cls(**figures, mem_total=mem.total, mem_available=mem.available,
+                   cgroup_limit=-1 if mem.cgroup_limit is None else mem.cgroup_limit, cgroup_usage=mem.cgroup_usage)
+
+
+def node_of_this_rank() -> int:
+    """The launcher's node rank (torchrun's GROUP_RANK, DeepSpeed's CROSS_RANK), else the global rank
+    of this node's first local rank (ranks are numbered node by node)."""
+    for var in ("GROUP_RANK", "CROSS_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return int(os.environ.get("RANK", "0") or 0) - int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one node's ranks may pin, judged once from its first local rank's reading."""
+    node: int
+    ranks: List[int]  # global ranks on this node
+    memory: HostMemory
+    deepspeed_pinned: int
+    store_cap: Dict[int, int]  # rank -> the most its store may take (its bytes under a fixed budget)
+    twins_cap: Dict[int, int]  # rank -> the most its second regions may take
+
+    @property
+    def usable(self) -> int:
+        return max(0, self.memory.usable - self.deepspeed_pinned)
+
+
+def plan_node(figures: List[RankFigures], node: int) -> NodePlan:
+    """The host plan of ``node`` from every rank's figures (the same on every rank, so that every rank
+    reaches the same verdict). Raises ConfigError when a fixed budget's stores or the second regions
+    asked for do not fit what the node can give."""
+    mine = {r: f for r, f in enumerate(figures) if f.node == node}
+    leader = next(f for f in mine.values() if f.local_rank == 0) if any(
+        f.local_rank == 0 for f in mine.values()) else next(iter(mine.values()))
+    memory = HostMemory(total=leader.mem_total, available=leader.mem_available,
+                        cgroup_limit=None if leader.cgroup_limit < 0 else leader.cgroup_limit,
+                        cgroup_usage=leader.cgroup_usage)
+    pinned = sum(f.deepspeed_pinned for f in mine.values())
+    plan = NodePlan(node, sorted(mine), memory, pinned, {}, {})
+    usable = plan.usable
+    asked = {r: f.speculate for r, f in mine.items() if f.speculate > 0}
+    if all(f.budget_store >= 0 for f in mine.values()):
+        caps = {r: f.budget_store for r, f in mine.items()}
+        _must_fit(plan, sum(caps.values()), "stores", budget_hint=True)
+    else:  # host first: shares of what the second regions asked for leave, in proportion to the ranks' state
+        _must_fit(plan, sum(asked.values()), "second regions asked for", speculation=True)
+        room = usable - sum(asked.values())
+        total_state = sum(f.state for f in mine.values()) or 1
+        caps = {r: min(f.state, room * f.state // total_state) for r, f in mine.items()}
+    plan.store_cap.update(caps)
+    spare = max(0, usable - sum(caps.values()) - sum(asked.values()))
+    if asked:
+        _must_fit(plan, sum(caps.values()) + sum(asked.values()), "stores and the second regions asked for",
+                  speculation=True)
+    derived = [r for r, f in mine.items() if f.speculate < 0]
+    plan.twins_cap.update({r: asked.get(r, 0) for r in mine})
+    for r in derived:
+        plan.twins_cap[r] = min(mine[r].state, spare // max(1, len(derived)))
+    return plan
+
+
+def _must_fit(plan: NodePlan, needed: int, what: str, budget_hint=False, speculation=False):
+    if needed <= plan.usable:
+        return
+    short = needed - plan.usable
+    ways = []
+    if speculation:
+        ways.append(f"lower {BLOCK}.speculate_memory_gb or set it to null (what is spare) or 0")
+    if budget_hint:
+        keep = short / len(plan.ranks)
+        ways.append(f"keep {format_bytes(keep)} more of each rank's state on the GPU ({BLOCK}.memory_budget_gb), "
+                    "or leave memory_budget_gb unset (null): the state the host cannot hold then stays on the GPU")
+    ways += ["spread the job over more nodes", "run fewer ranks per node"]
+    if plan.deepspeed_pinned:
+        ways.append("turn off zero_optimization.offload_param.pin_memory")
+    ds = f" plus {format_bytes(plan.deepspeed_pinned)} DeepSpeed pins itself" if plan.deepspeed_pinned else ""
+    raise ConfigError(f"{BLOCK}.enabled",
+                      f"node {plan.node}: the {what} of its {len(plan.ranks)} rank(s) need {format_bytes(needed)}{ds}, "
+                      f"but the node can give {format_bytes(plan.memory.usable)} ({plan.memory.describe()}): "
+                      f"{format_bytes(short)} short. Ways out: " + "; ".join(ways))
+
+
+def describe_node(plan: NodePlan, stores: Dict[int, int], twins: Dict[int, int], resident: Dict[int, int]) -> str:
+    """The line the node's first local rank logs: its ranks, what each pins and in all, what it can give."""
+    store, twin = sum(stores.values()), sum(twins.values())
+    per_rank = ", ".join(f"rank {r}: {format_bytes(stores[r])}" for r in plan.ranks)
+    on_device = sum(resident.values())
+    spec = f"; speculation's second regions {format_bytes(twin)}" if twin else "; speculation: no second regions"
+    dev = f"; {format_bytes(on_device)} of state kept on the GPUs" if on_device else ""
+    return (f"[deepspeed-offload] node {plan.node}: {len(plan.ranks)} rank(s) pin {format_bytes(store + twin)} in all "
+            f"(stores {per_rank}{spec}){dev}; the node can give {format_bytes(plan.usable)} "
+            f"({plan.memory.describe()})")
+
+
+def host_first_resident(nbytes: Sequence[int], store_cap: int) -> int:
+    """How many of the first sub-groups (``nbytes`` in step order) stay resident so that the rest fit
+    ``store_cap``: the fewest."""
+    k, rest = 0, sum(nbytes)
+    while rest > store_cap and k < len(nbytes):
+        rest -= nbytes[k]
+        k += 1
+    return k
+
+
+# ---------------------------------------------------------------------------------------------- measured
+
+
+def margin_bytes(device_total: int) -> int:
+    return max(MARGIN_MIN, int(MARGIN_SHARE * device_total))
+
+
+@dataclass
+class MeasuredPlan:
+    """After each measurement, which streamed sub-groups become resident (or, when the iteration grew,
+    which of those made resident go back to the host). ``limit``: the device memory training may use;
+    ``margin``: what the plan leaves free below it (bytes)."""
+    limit: int
+    margin: int
+    promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
+    measured_peak: Optional[int] = None  # the last measurement's reserved peak
+
+    def after_measurement(self, peak_reserved: int, streamed: Sequence[int],
+                          nbytes: Callable[[int], int]) -> Tuple[List[int], List[int]]:
+        """The measured iteration reserved ``peak_reserved`` with ``streamed`` (step order) offloaded:
+        (sub-groups to make resident, a prefix of ``streamed`` that fits below the limit less the
+        margin; sub-groups to give back, the last made resident first, where the peak is above it)."""
+        self.measured_peak = peak_reserved
+        room = self.limit - self.margin - peak_reserved
+        if room < 0:
+            return [], self._give_back(-room, nbytes)
+        out, held = [], 0
+        for i in streamed:
+            if held + nbytes(i) > room:
+                break
+            out.append(i)
+            held += nbytes(i)
+        self.promoted += out
+        return out, []
+
+    def after_step(self, reserved: int, nbytes: Callable[[int], int]) -> List[int]:
+        """An iteration ended with ``reserved`` bytes reserved: when that came within half the margin of
+        the limit (it grew), the sub-groups to give back, enough to restore the whole margin."""
+        excess = reserved - (self.limit - self.margin // 2)
+        return self._give_back(excess + self.margin // 2, nbytes) if excess > 0 else []
+
+    def _give_back(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
+        out, freed = [], 0
+        while self.promoted and freed < nbytes_needed:
+            i = self.promoted.pop()
+            out.append(i)
+            freed += nbytes(i)
+        return out
+
+
+def device_limit(acc, max_device_memory_gb: Optional[float]) -> int:
+    """The device memory training may use: ``max_device_memory_gb``, or what this process can have of
+    the device (what it reserved plus what the device has free), at most the device."""
+    total = acc.total_memory()
+    if max_device_memory_gb is not None:
+        return min(total, int(max_device_memory_gb * GiB))
+    return min(total, int(acc.available_memory()) + int(acc.memory_reserved() or 0))
+
+
+def check_resident_fits(resident_new: int, device_free: int, state: int, store_cap: int):
+    """At attach, host first: the state the host cannot hold must at least fit the device's free memory
+    (the iteration needs more; the measurement shows how much)."""
+    if resident_new <= device_free:
+        return
+    raise ConfigError(f"{BLOCK}.enabled",
+                      f"this rank's optimizer state is {format_bytes(state)}; the host can hold "
+                      f"{format_bytes(store_cap)} of it, so {format_bytes(resident_new)} more must stay on the GPU, "
+                      f"which has {format_bytes(device_free)} free: the state does not fit this node's GPU and host "
+                      "memory together. Ways out: spread the job over more nodes or GPUs; run fewer ranks per node; "
+                      "use ZeRO-Offload to NVMe")
+
