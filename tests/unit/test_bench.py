@@ -539,7 +539,7 @@ def test_out_of_memory_rows_and_stream_budgets_in_the_report_and_charts(tmp_path
 
 
 def test_a_committed_run_measured_every_mode_it_asked_for():
-    """docs/benchmarks.md's headline: one run in which every mode of its day produced figures."""
+    """One committed run in which every mode of its day produced figures (the MLP's run 5)."""
     def complete(run):
         res = run["results"]
         asked = [m for m in run["args"]["modes"].split(",") if m != "bandwidth"]

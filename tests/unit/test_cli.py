@@ -58,11 +58,11 @@ def h200_bandwidth():
 
 @pytest.mark.parametrize("mode", ["stream@0", "stream@16"])
 def test_estimate_at_7b_within_10_percent_of_the_run(capsys, mode, tmp_path):
-    """The Llama-2-7B shape's run (bench-h200-2026-12-01-7b.json, no bandwidth probe in it: the
+    """The Llama-2-7B shape's run (llama-7b-2026-12-01-budgets.json, no bandwidth probe in it: the
     median of the H200 runs that have one): the host store attach pinned, the staging slots the
     embedding sets (a parameter larger than a sub-group), and the time the streamed step adds to
     resident's, within 10%."""
-    run = runs_of("2026-12-01-7b")[0]
+    run = runs_of("llama-7b-2026-12-01-budgets")[0]
     res, ours, args = run["results"]["resident"], run["results"][mode], run["args"]
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
@@ -159,7 +159,7 @@ def test_counts_may_be_written_as_scientific_notation(capsys):
 def test_estimate_shares_the_host_bandwidth_among_the_ranks_of_a_node(capsys):
     """Calibrated on the committed 2-rank run: with both ranks streaming at once each got less than
     alone, and estimate's per-rank bandwidth for 2 ranks per node is that measured figure."""
-    run = json.loads((RUNS[0].parent / "bench-h200x2-2026-11-29-llama4.json").read_text())
+    run = json.loads((RUNS[0].parent / "llama-4layers-2026-11-29-bandwidth-2gpus.json").read_text())
     ranks = run["results"]["bandwidth"]["ranks"]
     alone = min(r["alone"]["both_each_way_GBps"] for r in ranks)
     together = statistics.mean(r["together"]["both_each_way_GBps"] for r in ranks)

@@ -1,7 +1,8 @@
 """Every JSON example a user may copy is JSON: each ```json block (and any jsonc/json5/hjson block,
-which must then be plain JSON too) in README.md and docs/*.md, and every file under examples/ and
-docs/ ending in .json, loads with ``json.load`` (Accelerate and Lightning read ds_configs with it),
-and every ``optimizer_state_offload`` block in them passes the block's own validation."""
+which must then be plain JSON too) in README.md and docs/*.md, and every file under examples/, docs/
+and benchmarks/results/ ending in .json, loads with ``json.load`` (Accelerate and Lightning read
+ds_configs with it), and every ``optimizer_state_offload`` block in them passes the block's own
+validation."""
 
 import json
 import re
@@ -14,7 +15,8 @@ from deepspeed_offload.config import BLOCK, parse_block
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(json|jsonc|json5|hjson)[ \t]*\n(.*?)^```", re.S | re.M)
-FILES = sorted((ROOT / "examples").glob("*.json")) + sorted((ROOT / "docs").glob("*.json"))
+FILES = [*sorted((ROOT / "examples").glob("*.json")), *sorted((ROOT / "docs").glob("*.json")),
+         *sorted((ROOT / "benchmarks" / "results").glob("*.json"))]
 
 
 def blocks():
