@@ -17,7 +17,6 @@ from packaging import version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .ds_config import get_path, load_ds_config, resolve_config_source  # noqa: F401 (re-exported)
-from .env_settings import read_env
 from .errors import BLOCK, ConfigError, pydantic_error
 from .estimate import STATE_BYTES_PER_PARAM
 from .host_memory import format_bytes
@@ -61,9 +60,10 @@ class OffloadConfig(BaseModel):
     overlap_memory_gb: Optional[float] = _gib_field()
     async_checkpoint: bool = False
     # Stream mode: host memory per rank for second regions, so that sub-groups are updated in
-    # backward before the gradient norm is known (runtime/speculation.py); 0: off; null: derived
-    # from what the node has spare after the store.
-    speculate_memory_gb: Optional[float] = Field(0.0, ge=0, le=MAX_GB, allow_inf_nan=False)
+    # backward before the gradient norm is known (runtime/speculation.py); null (the default): what
+    # the node has spare after the stores; 0: off. Off where it cannot run (compile mode, overlap
+    # off, fp32 parameters) unless a size is asked for, which is then an error there.
+    speculate_memory_gb: Optional[float] = Field(None, ge=0, le=MAX_GB, allow_inf_nan=False)
 
     @property
     def sub_group_size(self) -> int:
@@ -154,8 +154,6 @@ def _validate(ds_config, strict_when_disabled, world_size) -> Optional[Plan]:
                 logger.warning(f"[deepspeed-offload] {e} (the block is not enabled: ignored)")
             return None
     offload = parse_block(ds_config) if raw is not None else None
-    if offload is not None and offload.enabled:
-        read_env()  # the DS_OFFLOAD_* variables, refused here as the block's keys are
     reject_unfilled_auto(ds_config)
     ds = deepspeed_view(ds_config)
     plan = _cross_check(ds_config, offload, ds) if offload is not None and offload.enabled else None

@@ -35,10 +35,10 @@ def attach_compile(engine, offload_config, placement=None, probe=None):
     from .schedule import install
     mode = CompileMode(engine, offload_config, placement, probe)
     try:
-        fault_point("compile setup")
         install(engine, mode)
+        fault_point("compile setup")
     except BaseException:
-        mode.detach()
+        mode.undo_attach()
         raise
     _engine_with_pass = weakref.ref(engine)
     return mode

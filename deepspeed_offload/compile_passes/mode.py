@@ -85,6 +85,13 @@ class CompileMode(StreamMode):
         unregister(self)
         super().detach()
 
+    def undo_attach(self):
+        from .schedule import unregister
+        if getattr(self, "ops_key", None) is not None:
+            ops.unbind(self.ops_key)
+            unregister(self)
+        super().undo_attach()
+
     @property
     def kept(self):
         """Reloaded sub-groups that stay on the device between steps (this phase): the timing

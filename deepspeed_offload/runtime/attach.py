@@ -37,8 +37,9 @@ from .layout import Probe, probe_layout
 from .placement import (RankFigures, check_resident_fits, describe_node, host_first_resident, node_of_this_rank,
                         plan_node)
 
-# Tests only: called with each stage's name ("settings", "host memory", "pinning", "moving",
-# "patching", "compile setup") where that stage begins; it may raise to fail the attach there.
+# Tests only: called with each stage's name ("settings", "host memory" where they begin; "pinning",
+# "moving", "patching", "compile setup" once they have done their work, so that it must be undone);
+# it may raise to fail the attach there.
 FAULT_POINT: Optional[Callable[[str], None]] = None
 
 
@@ -93,7 +94,7 @@ def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], objec
         error = e
     failures = agreement.agree(None if error is None else _describe(error))
     if failures and mode is not None:
-        mode.detach()
+        mode.undo_attach()
     _raise_agreed(failures, error, "attach")
     return mode
 
@@ -169,7 +170,7 @@ def check_engine(engine, plan: Plan):
         raise ConfigError(f"{BLOCK}.mode", "the engine is already compiled: attach compile mode before "
                           "engine.compile(), or use deepspeed_offload.initialize")
     if plan.mode == "compile":
-        from .compile_passes import engine_with_pass
+        from ..compile_passes import engine_with_pass
         other = engine_with_pass()
         if other is not None and other is not engine:
             raise ConfigError(f"{BLOCK}.mode", "compile mode is attached to another engine of this process already: "

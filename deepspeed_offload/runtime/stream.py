@@ -100,7 +100,7 @@ class StreamMode:
         try:
             self._build(placement, early_in_backward)
         except BaseException:
-            self._undo_attach()
+            self.undo_attach()
             raise
         self.attach_s = time.perf_counter() - started
         n = len(self.opt.fp32_partitioned_groups_flat)
@@ -116,8 +116,8 @@ class StreamMode:
     def _build(self, placement: Placement, early_in_backward: bool):
         cfg = self.cfg
         members = self._speculation_members(early_in_backward, placement.twins_budget)
-        fault_point("pinning")
         self.store = HostStore(self.layout.entries, cfg.pin_memory, twins=members, check_host=False)
+        fault_point("pinning")
         self.table = ResidencyTable(self.store, self.copies, self.order, self.layout.slot_numel)
         self.timing = LoadTiming(self.acc, self.copies.synchronous, self.slot_bytes,
                                  early_in_backward=cfg.overlap and early_in_backward, prefetch=cfg.prefetch,
@@ -132,18 +132,22 @@ class StreamMode:
         self.tensors = StateTensors(self.opt, self.store, self.order)
         self.speculation = Speculation(self, members) if members else None
         self.colocation = StateOffload(self)
-        fault_point("moving")
         self.tensors.all_to_host()  # what exists now: masters; states too if the optimizer stepped
         self.acc.empty_cache()
-        fault_point("patching")
+        fault_point("moving")
         hooks.install(self)
         # The checkpointer's engine hooks are in a registry of its own: close() takes them off.
         self._checkpoint_patches = PatchRegistry("deepspeed-offload async checkpoint")
         if cfg.async_checkpoint:
             self.checkpointer = AsyncCheckpointer(self.engine, self.store.buffers.values(), self._checkpoint_patches)
+        fault_point("patching")
 
-    def _undo_attach(self):
-        """A failure while attaching: every hook off, every tensor moved to the host back on the device."""
+    def undo_attach(self):
+        """Attach failed (here, or on another rank once this one was built): every hook off, every
+        tensor moved to the host back on the device, on this rank alone (no collective: ``detach``
+        waits for checkpoints with the other ranks)."""
+        if self.checkpointer is not None:
+            self.checkpointer.forget()  # no save ran: nothing to wait for
         if getattr(self, "_checkpoint_patches", None) is not None:
             self._checkpoint_patches.remove_all()
         self.patches.remove_all()

@@ -109,6 +109,74 @@ def optimizer_for(spec, groups):
     raise ValueError(kind)
 
 
+def engine_snapshot(engine):
+    """What a failed attach must leave as it was: the engine's and the optimizer's instance methods (the
+    objects themselves), every fp32 master and optimizer-state tensor (values and device), DeepSpeed's
+    compile-pass table, no handle."""
+    from deepspeed_offload.api import attached_engines
+    opt = engine.optimizer
+    tensors = []
+    for master in opt.fp32_partitioned_groups_flat:
+        tensors.append(master)
+        tensors += [t for t in opt.optimizer.state.get(master, {}).values() if torch.is_tensor(t) and t.dim() > 0]
+    try:
+        from deepspeed.compile import backend
+        passes = dict(backend.opt_passes)
+    except ImportError:
+        passes = {}
+    return {"engine": {k: v for k, v in vars(engine).items() if callable(v)},
+            "optimizer": {k: v for k, v in vars(opt).items() if callable(v)},
+            "tensors": [(t.device, t.detach().clone()) for t in tensors], "passes": passes,
+            "handle": deepspeed_offload.get_handle(engine), "attached": engine in attached_engines()}
+
+
+def attach_with_fault(engine, config, fault):
+    """``deepspeed_offload.attach`` with a failure injected at ``fault["stage"]`` on ``fault["ranks"]``
+    (the settings: a bad DS_OFFLOAD_COMMIT_TIMEOUT there; compile mode's setup: attached as compile
+    mode, which the CPU cannot validate, through the same transaction). Reports what was raised, how
+    long it took, and what differs from before."""
+    from deepspeed_offload.config import OffloadConfig, Plan
+    from deepspeed_offload.runtime import attach as attach_mod
+    import deepspeed_offload.api as api
+    rank = deepspeed.comm.get_rank()
+    here = rank in fault["ranks"]
+    stage = fault["stage"]
+
+    def inject(at):
+        if here and at == stage and stage != "settings":  # (the settings fail on the variable itself)
+            raise RuntimeError(f"injected failure at {at}")
+
+    before = engine_snapshot(engine)
+    attach_mod.FAULT_POINT = inject
+    if stage == "settings" and here:
+        os.environ["DS_OFFLOAD_COMMIT_TIMEOUT"] = "10m"
+    t0 = time.perf_counter()
+    try:
+        if stage == "compile setup":
+            block = OffloadConfig(enabled=True, mode="compile", memory_budget_gb=0)
+            api._attach_mode(engine, Plan(offload=block, mode="compile", ds_config=config, sub_group_size=1,
+                                          sub_group_size_set_by_us=False))
+        else:
+            deepspeed_offload.attach(engine, config)
+        raised = None
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        attach_mod.FAULT_POINT = None
+        os.environ.pop("DS_OFFLOAD_COMMIT_TIMEOUT", None)
+    seconds = time.perf_counter() - t0
+    after = engine_snapshot(engine)
+    changed = [k for k in ("engine", "optimizer") if before[k].keys() != after[k].keys()
+               or any(before[k][n] is not after[k][n] for n in before[k])]
+    changed += ["tensors"] if len(before["tensors"]) != len(after["tensors"]) or not all(
+        d0 == d1 and torch.equal(t0_, t1) for (d0, t0_), (d1, t1) in zip(before["tensors"], after["tensors"])) else []
+    changed += [k for k in ("passes", "handle", "attached") if before[k] != after[k]]
+    record = {"stage": stage, "ranks": fault["ranks"], "raised": raised, "seconds": seconds, "changed": changed}
+    records = [None] * deepspeed.comm.get_world_size()
+    torch.distributed.all_gather_object(records, record)
+    return records  # every rank's
+
+
 def abort_step(engine, fail_at=None):
     """Make the update of the second sub-group raise (or of sub-group ``fail_at``: "first_kept", the
     first that compile mode keeps on the device), and report what the step left behind: whether every
@@ -411,8 +479,10 @@ def train_with(spec):
     else:
         groups = [{"params": [p for _, p in trainable]}]
     optimizer = optimizer_for(spec, groups)
-    init = deepspeed_offload.initialize if spec.get("api", "offload") == "offload" else deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+    api = spec.get("api", "offload")
+    init = deepspeed_offload.initialize if api == "offload" else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=optimizer,
+                           config=dict(config, optimizer_state_offload={}) if api == "attach_later" else config)
     inject_checkpoint_faults(engine, spec)
     if spec.get("compile"):
         engine.compile()
@@ -503,6 +573,10 @@ def train_with(spec):
                 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
                 p = next(p for p in engine.module.parameters() if p.requires_grad)
                 safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
+            if api == "attach_later" and step == spec["attach_at"] and micro == 0:
+                # the faults first (each must leave the engine as it was, on every rank), then the attach
+                result_extra["attach_faults"] = [attach_with_fault(engine, config, f) for f in spec.get("attach_faults", [])]
+                deepspeed_offload.attach(engine, config)
             if step == spec.get("fail_at") and micro == gas - 1:
                 raise RuntimeError(f"injected failure at step {step}")  # (a variant that fails: harness tests)
             if step == spec.get("abort_at") and micro == gas - 1:

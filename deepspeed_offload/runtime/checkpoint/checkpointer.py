@@ -246,6 +246,11 @@ class AsyncCheckpointer:
         self._uninstall()
         _live.discard(self)
 
+    def forget(self):
+        """Take the hooks off without waiting (an attach undone before any save: nothing to wait for)."""
+        self._uninstall()
+        _live.discard(self)
+
     def wait(self):
         """Block until this rank's write and (on rank 0) the commit are done; raise on every rank if
         any rank's write or the commit failed. Collective: call it on every rank."""

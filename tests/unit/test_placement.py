@@ -1,0 +1,78 @@
+"""Placement (runtime/placement.py): the node's host plan, judged once from its first local rank's
+reading, and the measured plan's decisions, with faked figures."""
+
+import pytest
+
+from deepspeed_offload.errors import ConfigError
+from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
+from deepspeed_offload.runtime.placement import (MeasuredPlan, RankFigures, describe_node, host_first_resident,
+                                                 margin_bytes, plan_node)
+
+GiB = 2**30
+
+
+def figures(ranks, state, budget_store=-1, speculate=-1, available=100 * GiB, total=128 * GiB, node=0, first=0):
+    """``ranks`` ranks of one node; only the first local rank carries the node's reading."""
+    return [RankFigures(node=node, local_rank=k, state=state, budget_store=budget_store, speculate=speculate,
+                        deepspeed_pinned=0, device_free=140 * GiB, device_total=141 * GiB,
+                        mem_total=total if k == 0 else 0, mem_available=available if k == 0 else 0)
+            for k in range(first, first + ranks)]
+
+
+def test_eight_ranks_that_fit_are_judged_once_for_the_node():
+    """8 ranks of 11 GiB each on a host that can give 93.6 GiB: the node's plan fits. Judged rank by rank
+    against MemAvailable as each one pins (the old way), the late ranks count their peers' stores twice."""
+    ranks = figures(8, 11 * GiB, budget_store=11 * GiB)
+    plan = plan_node(ranks, 0)
+    assert plan.ranks == list(range(8)) and all(cap == 11 * GiB for cap in plan.store_cap.values())
+    memory = HostMemory(total=128 * GiB, available=100 * GiB)
+    with pytest.raises(ConfigError):  # the fifth rank, after four peers pinned theirs
+        check_host_plan(HostPlan(11 * GiB, 8), HostMemory(total=memory.total, available=memory.available - 4 * 11 * GiB))
+    assert RankFigures.from_row(ranks[3].row()) == ranks[3]
+
+
+def test_a_node_that_cannot_hold_the_fixed_budgets_stores_fails_naming_the_way_out():
+    with pytest.raises(ConfigError, match=r"node 0: the stores of its 8 rank\(s\) need 96.00 GiB.*memory_budget_gb"):
+        plan_node(figures(8, 12 * GiB, budget_store=12 * GiB, available=90 * GiB), 0)
+
+
+def test_host_first_shares_the_host_and_the_rest_stays_resident():
+    """A 13B's 145 GiB of state on a host that can give 93.6 GiB: the store takes that share, the first
+    sub-groups stay on the device; no room is left for speculation's second regions."""
+    plan = plan_node(figures(1, 145 * GiB), 0)
+    cap = plan.store_cap[0]
+    assert cap == plan.usable < 145 * GiB and plan.twins_cap[0] == 0
+    sizes = [GiB] * 145
+    k = host_first_resident(sizes, cap)
+    assert sum(sizes[k:]) <= cap < sum(sizes[k - 1:])
+    line = describe_node(plan, {0: cap}, {0: 0}, {0: sum(sizes[:k])})
+    assert "node 0: 1 rank(s) pin" in line and "speculation: no second regions" in line and "kept on the GPUs" in line
+
+
+def test_speculation_takes_what_the_stores_leave_shared_among_the_ranks():
+    plan = plan_node(figures(4, 10 * GiB), 0)  # 40 GiB of stores on a host that gives 93.6
+    spare = plan.usable - 40 * GiB
+    assert all(plan.store_cap[r] == 10 * GiB for r in range(4))
+    assert all(plan.twins_cap[r] == min(10 * GiB, spare // 4) for r in range(4))
+    many = plan_node(figures(8, 11 * GiB), 0)  # 88 of 93.6 GiB: little is spare, speculation shrinks
+    assert sum(many.twins_cap.values()) <= many.usable - sum(many.store_cap.values())
+
+
+def test_two_nodes_are_judged_each_from_its_own_reading():
+    both = figures(2, 10 * GiB, node=0) + figures(2, 10 * GiB, node=1, available=15 * GiB)
+    first, second = plan_node(both, 0), plan_node(both, 1)
+    assert first.ranks == [0, 1] and second.ranks == [2, 3]
+    assert second.memory.available == 15 * GiB and sum(second.store_cap.values()) <= second.usable
+
+
+def test_the_measured_plan_keeps_what_fits_and_gives_back_when_an_iteration_grows():
+    nbytes = {i: 10 * GiB for i in range(10)}.__getitem__
+    plan = MeasuredPlan(limit=140 * GiB, margin=margin_bytes(140 * GiB))
+    assert plan.margin == int(0.03 * 140 * GiB)
+    promote, back = plan.after_measurement(80 * GiB, list(range(3, 10)), nbytes)
+    assert promote == [3, 4, 5, 6, 7] and back == []  # 55.8 GiB of room: five sub-groups of 10
+    assert plan.after_step(130 * GiB, nbytes) == []  # within the margin's half
+    back = plan.after_step(138 * GiB, nbytes)  # 3.9 GiB into the margin: give back the excess and the margin
+    assert back == [7]
+    promote, back = plan.after_measurement(145 * GiB, [7, 8, 9], nbytes)  # measured again: 9.2 GiB over
+    assert promote == [] and back == [6]
