@@ -29,8 +29,10 @@ against it: the memory allocated when it begins (more activations: a layer first
 sequence) and, hook by hook, which parameter's gradient arrives (a router that picks other experts, a
 layer unfrozen or first used). On the first difference the backward **diverges**: what was loaded
 early is given back (``take_divergence``, stream mode releases it), nothing more loads in it, and the
-next iteration is measured again (without early loads) before they resume. The measured plan
-(placement.py) also reads each measurement: the iteration's reserved peak.
+next iteration is measured again (without early loads) before they resume. (What differs before
+the first hook that shows it, a recompute of the layer that hook is for, can still meet early loads
+made under the old table.) The measured plan (placement.py) also reads each measurement: the
+iteration's reserved peak.
 """
 
 import math
@@ -67,6 +69,7 @@ class LoadTiming:
         self.level: Optional[int] = None  # allocated when its boundary backward began
         self.keys: List[int] = []  # which parameter each hook of its boundary backward was for
         self.measure_always = False  # measure even where no early loads need it (the measured plan)
+        self.level_tolerance = LEVEL_TOLERANCE
         self.measurements = 0  # measurements finished
         self.divergences = 0  # boundary backwards that differed from the measured one
         self._measuring = False
@@ -89,7 +92,7 @@ class LoadTiming:
         self._interval()  # forward (and the earlier micro-batches)
         if self._measuring:
             self.level, self.keys = self.acc.memory_allocated(), []
-        elif self._guarding() and self.acc.memory_allocated() > self.level + LEVEL_TOLERANCE:
+        elif self._guarding() and self.acc.memory_allocated() > self.level + self.level_tolerance:
             self._diverge()
         if not self.prefetch or self.allowance() is not None:
             return False

@@ -14,7 +14,8 @@ class StepStats:
         self.copies = copies
         self.bytes_h2d = 0
         self.bytes_d2h = 0
-        self.sub_groups = 0
+        self.sub_groups = 0  # sub-groups the step updated (the ones it committed from backward are not)
+        self.offloaded = 0  # sub-groups offloaded in this step
         self.loaded_early = 0  # sub-groups loaded before the step (in backward)
         self.loaded_in_step = 0
         self.speculated = 0  # sub-groups updated in backward (speculation.py) ...
@@ -27,7 +28,7 @@ class StepStats:
             self._spans[kind].append(span)
 
     def resolve(self) -> Dict[str, float]:
-        out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups,
+        out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups, "offloaded": self.offloaded,
                "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step,
                "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded}
         for kind, spans in self._spans.items():

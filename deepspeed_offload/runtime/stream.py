@@ -317,6 +317,7 @@ class StreamMode:
         self.timing.step_begins()
         if self.stats is None:
             self.stats = StepStats(self.copies)
+        self.stats.offloaded = len(self.order)
         if self.speculation is not None:
             self.speculation.decide()  # DeepSpeed has the norm now: commit the updates from backward, or not
         for i in self.timing.load_at_step_start(lambda i: self.table[i].on_device):
@@ -381,6 +382,7 @@ class StreamMode:
         if self.stats is not None or self.table.slots is not None:
             self.released_unused += len(self.table.release_loaded())
             self.table.free_slots()
+            self.table.drain()  # the discarded updates' copies into their second regions, landed
             self.stats = None
 
     def abort_step(self):

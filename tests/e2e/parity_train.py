@@ -591,6 +591,10 @@ def train_with(spec):
                 # The stats object, resolved after training: resolving reads the copies' events,
                 # which would wait for this step's write-backs before the next forward starts.
                 step_stats.append(handle.last_stats)
+            for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
+                if step == at and micro == gas - 1 and handle is not None:
+                    handle._place(k)
+                    result_extra.setdefault("placed", []).append((len(handle.resident), list(handle.order)))
             if step == spec.get("detach_after") and micro == gas - 1:
                 result_extra["detach"] = detach_and_check(engine)
         for save in spec.get("saves", []):

@@ -23,6 +23,12 @@ class FakeDevice:
     def max_memory_allocated(self):
         return self.peak
 
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_reserved(self):
+        return self.peak
+
     def reset_peak_memory_stats(self):
         self.peak = self.allocated
 
@@ -35,19 +41,39 @@ class FakeDevice:
 BASE = 20
 
 
-def iteration(dev, timing, load, layers=3):
+class Param:
+    def __init__(self, ds_id):
+        self.ds_id = ds_id
+
+
+def iteration(dev, timing, load, layers=3, keys=None, extra=0):
     """Runs one iteration against ``timing``; ``load(allowance)`` is what stream mode does at a hook
-    (returns the bytes it loads now). Returns the iteration's peak."""
+    (returns the bytes it loads now). ``keys``: the parameter of each hook in backward's order (one
+    per layer, 0, 1, ... by default); a key of 9 is a layer used in this iteration only, whose
+    ``extra`` activations are held from forward until its hook (it needs no recompute). Returns the
+    iteration's peak, whether it prefetched, and what it loaded early (given back where the backward
+    diverged, as stream mode does)."""
+    keys = list(range(layers)) if keys is None else keys
     dev.true_peak = top = dev.allocated
-    dev.alloc(80)  # forward
+    dev.alloc(80 + extra)  # forward
     prefetch = timing.backward_begins(True)
+    early = 0
+    if timing.take_divergence():
+        early = 0
     dev.alloc(40)  # the loss's backward
     dev.alloc(-40)
-    early = 0
-    for _ in range(layers):
-        dev.alloc(40)  # recompute
-        dev.alloc(-40 - 80 // layers)  # its backward frees the recompute and the layer's activations
-        allowance = timing.gradient_ready()
+    for key in keys:
+        if key == 9:
+            dev.alloc(-extra)  # the new layer's backward frees its activations
+        elif key == 8:
+            pass  # an unfrozen parameter of a layer that ran before: its gradient, nothing recomputed
+        else:
+            dev.alloc(40)  # recompute
+            dev.alloc(-40 - 80 // layers)  # its backward frees the recompute and the layer's activations
+        allowance = timing.gradient_ready(Param(key))
+        if timing.take_divergence():
+            dev.alloc(-early)  # given back
+            early = 0
         if allowance is not None:
             n = load(allowance - early)
             early += n
@@ -56,7 +82,6 @@ def iteration(dev, timing, load, layers=3):
     dev.alloc(30)  # fp32 gradient of a sub-group, the slots
     dev.alloc(-30 - early)  # written back: the early buffers go
     timing.step_ends()
-    assert dev.allocated == top + 80 - 80 // layers * layers
     dev.alloc(-(dev.allocated - top))
     return dev.true_peak, prefetch, early
 
@@ -89,6 +114,7 @@ def test_the_old_rule_raised_the_peak():
     peak_off = timing.peak_off
     naive = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
     naive.peak_off, naive.future = peak_off, [0]  # allowance = peak less nothing still to come
+    naive._guarding = lambda: False  # (no iteration of its own was measured)
 
     def now(room):
         return max(0, min(500, peak_off - dev.allocated))
@@ -130,3 +156,73 @@ def test_non_boundary_backwards_are_not_counted():
     timing.kept = frozenset({4})
     assert timing.prefetch_order([4, 5, 6]) == [5, 6]
     assert timing.load_at_step_start(lambda i: False) == [4]
+
+
+def measured(always=False, tolerance=0, **kwargs):
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True, **kwargs)
+    timing.measure_always = always
+    timing.level_tolerance = tolerance  # (the fake's bytes are few)
+    iteration(dev, timing, fits)
+    iteration(dev, timing, fits)  # the measured one
+    assert timing.future and timing.measurements == 1
+    return dev, timing
+
+
+def peak_without_early_loads(**kwargs):
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    off = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=False, prefetch=False)
+    return iteration(dev, off, fits, **kwargs)[0]
+
+
+NEW_LAYER = dict(keys=[9, 0, 1, 2], extra=10)  # a last layer first used now: its backward comes first
+
+
+def test_a_layer_first_used_after_the_measurement_pauses_early_loads_until_measured_again():
+    """More is allocated when the backward begins than in the measured iteration: no early loads in
+    it, the next iteration is measured again, and the one after loads early within the new table."""
+    dev, timing = measured()
+    peak, _, early = iteration(dev, timing, fits, **NEW_LAYER)
+    assert timing.divergences == 1 and early == 0
+    assert peak <= peak_without_early_loads(**NEW_LAYER)
+    peak, _, early = iteration(dev, timing, fits, **NEW_LAYER)  # measured again
+    assert early == 0 and timing.measurements == 2 and timing.keys == [9, 0, 1, 2]
+    peak, _, early = iteration(dev, timing, fits, **NEW_LAYER)
+    assert early > 0 and peak <= timing.peak_off and timing.divergences == 1
+
+
+def test_without_the_check_a_new_layer_raised_the_peak():
+    """The negative control: the table looked up by hook ordinal, nothing checked. The new layer's
+    hook takes hook 0's allowance, and the first layer's recompute lands on top of it: 176 against the
+    150 the iteration reaches without early loads."""
+    dev, timing = measured()
+    timing._diverge = lambda: None
+    peak, _, early = iteration(dev, timing, fits, **NEW_LAYER)
+    assert early > 0 and peak == 176 > peak_without_early_loads(**NEW_LAYER) == 150
+
+
+def test_a_router_that_picks_other_experts_diverges_at_the_first_other_hook():
+    """The same memory, other parameters: the hook that differs gives back what was loaded early."""
+    dev, timing = measured()
+    peak, _, early = iteration(dev, timing, fits, keys=[0, 7, 2])
+    assert timing.divergences == 1 and early == 0  # loaded at hook 0, given back at hook 1
+    assert peak <= peak_without_early_loads(keys=[0, 7, 2])
+    iteration(dev, timing, fits, keys=[0, 7, 2])
+    assert timing.measurements == 2 and timing.keys == [0, 7, 2]
+
+
+def test_a_frozen_layer_unfrozen_adds_a_hook():
+    """A parameter that had no gradient gets one (its layer ran before too: no new activations)."""
+    unfrozen = dict(keys=[0, 8, 1, 2], extra=0)
+    dev, timing = measured()
+    peak, _, early = iteration(dev, timing, fits, **unfrozen)
+    assert timing.divergences == 1 and early == 0
+    assert peak <= peak_without_early_loads(**unfrozen)
+
+
+def test_a_fixed_cap_is_not_paused():
+    dev, timing = measured(always=True, early_cap=30)
+    _, _, early = iteration(dev, timing, fits, keys=[0, 7, 2])
+    assert early > 0 and timing.divergences == 0
