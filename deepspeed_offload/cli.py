@@ -16,8 +16,11 @@ import time
 from .config import validate
 from .ds_config import load_ds_config
 from .errors import BLOCK, ConfigError
-from .estimate import HOST_BANDWIDTH_GBPS, estimate, host_plan, speculation_bytes
+from .env_settings import read_env
+from .estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes,
+                       state_bytes_per_rank)
 from .host_memory import HostMemory, check_host_plan, format_bytes
+from .runtime.placement import largest_params, node_plan_for, split
 
 
 def positive_int(text: str) -> int:
@@ -52,14 +55,11 @@ def cmd_check(ns) -> int:
     try:
         ds_config = load_ds_config(ns.config)
         plan = validate(ds_config, strict_when_disabled=True, world_size=ns.world_size)
+        if plan is not None:
+            read_env()  # the DS_OFFLOAD_* variables, as attach will read them
         host_line = ""
         if plan is not None and ns.params:
-            host = host_plan(ns.params, ns.world_size or 1, ns.ranks_per_node, plan.offload.memory_budget_gb,
-                             plan.ds_config, speculate_gb=plan.offload.speculate_memory_gb)
-            check_host_plan(host)
-            host_line = (f", host memory {format_bytes(host.store_per_rank)} per rank, "
-                         f"{format_bytes(host.needed)} for the node's {host.ranks} rank(s) of "
-                         f"{format_bytes(HostMemory.read().usable)} usable")
+            host_line = "; " + _node_line(plan, ns.params, ns.world_size or 1, ns.ranks_per_node)
     except ConfigError as e:
         where = "" if e.path == ns.config else f"{ns.config}: "  # file errors name the file already
         print(f"deepspeed-offload: {where}{e}", file=sys.stderr)
@@ -77,10 +77,35 @@ def cmd_check(ns) -> int:
     return 0
 
 
+def _node_line(plan, params: int, world: int, ranks: int) -> str:
+    """What attach would judge for this host with ``ranks`` ranks of ``params`` over ``world``: each
+    rank's store, speculation's share of what is spare (or none), the node's total against what it can give."""
+    o = plan.offload
+    state = state_bytes_per_rank(params, world)
+    if plan.mode == "compile":
+        budget_store = state
+    elif o.memory_budget_gb is not None:
+        budget_store = max(0, state - int(o.memory_budget_gb * 2**30))
+    else:
+        budget_store = -1
+    speculates = plan.mode == "stream" and o.overlap and o.speculate_memory_gb != 0
+    speculate = -1 if speculates and o.speculate_memory_gb is None else int((o.speculate_memory_gb or 0) * 2**30)
+    node = node_plan_for(state, ranks, HostMemory.read(), budget_store, speculate if speculates else 0,
+                         deepspeed_pinned_per_rank(params, world, plan.ds_config))
+    store, twins = node.store_cap[0], node.twins_cap[0]
+    on_gpu = state - store
+    speculation = (f"speculation {format_bytes(twins)} per rank (what the stores leave, shared by {ranks} rank(s))"
+                   if twins else "speculation off (no host memory is spare after the stores)" if speculates
+                   else "speculation off")
+    gpu = f", {format_bytes(on_gpu)} of each rank's state stays on the GPU (the host cannot hold it)" if on_gpu else ""
+    return (f"node of {ranks} rank(s): store {format_bytes(store)} per rank{gpu}; {speculation}; pins "
+            f"{format_bytes(ranks * (store + twins))} of the {format_bytes(node.usable)} it can give")
+
+
 def cmd_estimate(ns) -> int:
     """What offload would free and cost, from the parameter count and the link's bandwidth."""
     try:
-        sub_group_mb, budget_gb, speculate_gb = 256, 0.0, 0.0
+        sub_group_mb, budget_gb, speculate_gb = 256, None, 0.0  # the block's defaults (speculation: not sized here)
         if ns.config:
             plan = validate(load_ds_config(ns.config))
             if plan is not None:
@@ -97,15 +122,20 @@ def cmd_estimate(ns) -> int:
         print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
         return 2
     ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
-    est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, budget_gb,
+    placement = _split(ns, ranks_per_node) if budget_gb is None else None
+    resident_gb = budget_gb if placement is None else placement["resident"] / 2**30
+    est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, resident_gb,
                    ns.largest_param)
+    if placement is not None:
+        est["placement"] = placement
     est["bandwidth_measured"] = measured
     est["speculation_per_rank"] = spec = speculation_bytes(est["gpu_freed_per_rank"], speculate_gb)
     if ns.json:
         print(json.dumps(est))
     else:
         src = "measured" if measured else "given"
-        budget = "derived from the device at attach (taken as 0 here)" if budget_gb is None else f"{budget_gb:g} GiB"
+        budget = f"{budget_gb:g} GiB" if budget_gb is not None else "the measured plan's, as below" \
+            if placement is not None else "measured after the second step (taken as 0 here)"
         per_rank_bw = est["bandwidth_per_rank_GBps"]
         print(f"optimizer state per rank: {format_bytes(est['state_per_rank'])} (12 bytes x "
               f"{-(-ns.params // ns.world_size):,} parameters); kept resident: {format_bytes(est['resident_per_rank'])} "
@@ -121,11 +151,52 @@ def cmd_estimate(ns) -> int:
                   f", the host's {ns.host_bandwidth:.1f} GB/s shared by {ranks_per_node} ranks")
         print(f"step copy time: {est['step_copy_s']:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link "
               f"{bandwidth:.1f} GB/s, {src}{shared})")
-    try:
-        check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb))
-    except ConfigError as e:
-        print(f"warning (this host): {e.reason}", file=sys.stderr)
+        if budget_gb is None:
+            print(_describe_split(ns, ranks_per_node, placement))
+    if budget_gb is not None:  # (derived: the store takes what the host can give, the GPU the rest)
+        try:
+            check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb))
+        except ConfigError as e:
+            print(f"warning (this host): {e.reason}", file=sys.stderr)
     return 0
+
+
+def _host_cap(ns, ranks_per_node: int) -> int:
+    memory = HostMemory.read() if ns.host_memory_gb is None else HostMemory(
+        total=int(ns.host_memory_gb * 2**30), available=int(ns.host_memory_gb * 2**30))
+    return memory.usable // ranks_per_node
+
+
+def _split(ns, ranks_per_node: int):
+    """The measured plan's split before anything runs (budget derived), where the device's memory and what
+    the iteration needs besides the state are known (given, or the device here); else None."""
+    device = _device_memory(ns)
+    if device is None or ns.iteration_memory_gb is None:
+        return None
+    host_cap, state = _host_cap(ns, ranks_per_node), state_bytes_per_rank(ns.params, ns.world_size)
+    out = split(state, host_cap, device, int(ns.iteration_memory_gb * 2**30))
+    out["largest_params"] = largest_params(ns.world_size, host_cap, device, out["iteration"], state)
+    return out
+
+
+def _describe_split(ns, ranks_per_node: int, out) -> str:
+    if out is None:
+        return (f"placement (memory_budget_gb null): the host can hold {format_bytes(_host_cap(ns, ranks_per_node))} "
+                f"of each rank's state, the GPU keeps the rest; pass --iteration-memory-gb (the figure the measured "
+                "plan logs) and, without a CUDA device here, --device-memory-gb, for the split")
+    verdict = "fits" if out["fits"] else "does NOT fit (the part the host cannot hold does not fit on the GPU)"
+    return (f"placement (memory_budget_gb null): {verdict}: {format_bytes(out['resident'])} of each rank's state "
+            f"resident on the GPU, {format_bytes(out['streamed'])} streamed from the host (which can hold "
+            f"{format_bytes(out['host_cap'])} per rank), beside {format_bytes(out['iteration'])} the iteration needs "
+            f"and a margin of {format_bytes(out['margin'])} on a {format_bytes(out['device'])} device; the largest "
+            f"model that fits: {out['largest_params']:,} parameters (with this one's activations)")
+
+
+def _device_memory(ns):
+    if ns.device_memory_gb is not None:
+        return int(ns.device_memory_gb * 2**30)
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def digest_throughput(gib: float, chunk_mb: int = 8) -> float:
@@ -191,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "docs/benchmarks.md)")
     est.add_argument("--bandwidth", type=positive_float, default=None,
                      help="GB/s each way with both directions busy")
+    est.add_argument("--iteration-memory-gb", type=positive_float, default=None,
+                     help="device memory an iteration needs besides the optimizer state (the figure the measured "
+                     "plan logs after the second step), for the split of the state between the GPU and the host")
+    est.add_argument("--device-memory-gb", type=positive_float, default=None,
+                     help="the GPU's memory (default: this machine's first CUDA device), or max_device_memory_gb")
+    est.add_argument("--host-memory-gb", type=positive_float, default=None,
+                     help="the node's available host memory (default: this host's MemAvailable and cgroup limit)")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
     est.set_defaults(func=cmd_estimate)
 

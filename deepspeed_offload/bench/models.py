@@ -19,6 +19,7 @@ LLAMA_PRESETS = {
     "tinyllama": dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4, vocab=32000),
     "llama2-7b": dict(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000),
     "llama3-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256),
+    "llama2-13b": dict(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32000),
 }
 DEFAULT_PRESET = "tinyllama"
 

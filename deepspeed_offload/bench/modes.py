@@ -87,16 +87,19 @@ def _fixed(name, settings):
         "stream_prefetch": dict(offloads=OUR_STATE, baseline="resident", against_floor=True,
                                 config=_stream_block(settings, overlap=False, prefetch=True)),
         "stream_overlap": dict(offloads=OUR_STATE, baseline="resident", against_floor=True, traced=True,
-                               config=_stream_block(settings, overlap=True,
+                               config=_stream_block(settings, overlap=True, speculate_memory_gb=0,
                                                     overlap_memory_gb=settings.overlap_memory_gb)),
         "stream_speculate": dict(offloads=OUR_STATE, baseline="resident", against_floor=True, traced=True,
                                  config=_stream_block(settings, overlap=True, speculate_memory_gb=None,
                                                       overlap_memory_gb=settings.overlap_memory_gb)),
+        # the block at its defaults (budget measured, overlap, speculation): what a user gets
+        "default": dict(offloads=OUR_STATE_BUDGET, baseline="resident", traced=True,
+                        config={"optimizer_state_offload": {"enabled": True, "sub_group_mb": settings.sub_group_mb}}),
         "offload_states": dict(offloads="optimizer states and fp32 masters (engine.offload_states)",
                                baseline="resident", reload_states=True),
         "colocate": dict(offloads=NOTHING, baseline="resident", colocate=True),
         "colocate_stream": dict(offloads=OUR_STATE, baseline="resident", against_floor=True, colocate=True,
-                                config=_stream_block(settings, overlap=True,
+                                config=_stream_block(settings, overlap=True, speculate_memory_gb=0,
                                                      overlap_memory_gb=settings.overlap_memory_gb)),
         "zero_offload": dict(offloads="optimizer states, fp32 masters and the step (ZeRO-Offload, CPU Adam)",
                              baseline="resident", config={"zero_optimization": {"offload_optimizer": zero_offload}}),
@@ -115,7 +118,8 @@ def _fixed(name, settings):
     return Mode(name=name, **dict(kw, config=_frozen(kw.get("config", {}))))
 
 
-FIXED = ["bandwidth", "resident", "stream", "stream_overlap", "stream_speculate", "stream_prefetch", "offload_states", "zero_offload",
+FIXED = ["bandwidth", "resident", "default", "stream", "stream_overlap", "stream_speculate", "stream_prefetch",
+         "offload_states", "zero_offload",
          "colocate", "colocate_stream", "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
 FAMILIES = ["compile_offload", "stream", "stream_overlap"]
 
@@ -129,8 +133,8 @@ def _budget_mode(name, family, budget, settings):
                  "compile": {"deepcompile": True, "offload_opt_states": False}}
         return Mode(name=name, offloads=OUR_STATE_COMPILED, baseline="compiled",
                     compiled=True, budget_gb=gb, family=family, against_floor=True, config=_frozen(block))
-    overlap = dict(overlap=True, overlap_memory_gb=settings.overlap_memory_gb) if family == "stream_overlap" else \
-        dict(overlap=False, prefetch=False)
+    overlap = dict(overlap=True, overlap_memory_gb=settings.overlap_memory_gb, speculate_memory_gb=0) \
+        if family == "stream_overlap" else dict(overlap=False, prefetch=False)
     block = _stream_block(settings, **overlap)
     block["optimizer_state_offload"]["memory_budget_gb"] = gb
     return Mode(name=name, offloads=OUR_STATE if gb == 0 else OUR_STATE_BUDGET, baseline="resident", budget_gb=gb,

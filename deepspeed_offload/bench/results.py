@@ -116,12 +116,29 @@ def handle_stats(handle, engine, between_GiB):
            "last_step": handle.step_stats(), "counters": getattr(handle, "counters", None),
            "host_store_bytes": getattr(store, "nbytes", None),
            "speculation": None if getattr(handle, "speculation", None) is None else
-           dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members))}
+           dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members)),
+           "plan": plan_record(handle)}
     try:
         grad_bytes = max(int(sum(p.numel() for p in g)) for g in engine.optimizer.fp16_partitioned_groups) * 4
         out["peak_bound_GiB"] = between_GiB + (2 * slot_bytes + grad_bytes) / GiB
     except (AttributeError, ValueError):
         pass
+    return out
+
+
+def plan_record(handle):
+    """Where the state lives at the end (the measured plan's split, with what it measured), or None."""
+    probe = getattr(handle, "probe", None)
+    if probe is None:
+        return None
+    plan = getattr(handle, "plan", None)
+    gib = lambda n: None if n is None else n / GiB  # noqa: E731
+    out = {"resident_GiB": gib(probe.resident_bytes(len(handle.resident))), "resident_sub_groups": len(handle.resident),
+           "streamed_GiB": gib(sum(handle.layout.nbytes.values())), "streamed_sub_groups": len(handle.order),
+           "measurements": handle.timing.measurements, "divergences": handle.timing.divergences}
+    if plan is not None:
+        out.update(promoted=len(plan.promoted), measured_peak_reserved_GiB=gib(plan.measured_peak),
+                   iteration_GiB=gib(plan.iteration), limit_GiB=gib(plan.limit), margin_GiB=gib(plan.margin))
     return out
 
 

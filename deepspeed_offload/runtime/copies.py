@@ -76,6 +76,10 @@ class SyncCopies:
     def wait_host(self, event) -> None:
         pass
 
+    def done(self, event) -> bool:
+        """Whether ``event``'s work has ended, asked without waiting."""
+        return True
+
     def clock(self) -> object:
         return time.perf_counter()
 
@@ -171,6 +175,9 @@ class AsyncCopies:
     def wait_host(self, event) -> None:
         if event is not None:
             event.synchronize()
+
+    def done(self, event) -> bool:
+        return event is None or event.query()
 
     def clock(self) -> object:
         return self._event(self.acc.current_stream(), timing=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import BLOCK, ConfigError
+from ..estimate import STATE_BYTES_PER_PARAM
 from ..host_memory import HostMemory, format_bytes
 
 GiB = 2**30
@@ -195,13 +196,16 @@ class MeasuredPlan:
     margin: int
     promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
     measured_peak: Optional[int] = None  # the last measurement's reserved peak
+    iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
 
-    def after_measurement(self, peak_reserved: int, streamed: Sequence[int],
-                          nbytes: Callable[[int], int]) -> Tuple[List[int], List[int]]:
-        """The measured iteration reserved ``peak_reserved`` with ``streamed`` (step order) offloaded:
-        (sub-groups to make resident, a prefix of ``streamed`` that fits below the limit less the
-        margin; sub-groups to give back, the last made resident first, where the peak is above it)."""
+    def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
+                          resident_bytes: int = 0) -> Tuple[List[int], List[int]]:
+        """The measured iteration reserved ``peak_reserved`` with ``streamed`` (step order) offloaded and
+        ``resident_bytes`` of state resident: (sub-groups to make resident, a prefix of ``streamed``
+        that fits below the limit less the margin; sub-groups to give back, the last made resident
+        first, where the peak is above it)."""
         self.measured_peak = peak_reserved
+        self.iteration = peak_reserved - resident_bytes
         room = self.limit - self.margin - peak_reserved
         if room < 0:
             return [], self._give_back(-room, nbytes)
@@ -227,6 +231,45 @@ class MeasuredPlan:
             out.append(i)
             freed += nbytes(i)
         return out
+
+
+def node_plan_for(state: int, ranks: int, memory: HostMemory, budget_store: int = -1, speculate: int = -1,
+                  deepspeed_pinned: int = 0) -> NodePlan:
+    """The host plan of a node of ``ranks`` alike ranks (``check --params``): what attach would judge."""
+    figures = [RankFigures(node=0, local_rank=k, state=state, budget_store=budget_store, speculate=speculate,
+                           deepspeed_pinned=deepspeed_pinned, device_free=0, device_total=0,
+                           mem_total=memory.total if k == 0 else 0, mem_available=memory.available if k == 0 else 0,
+                           cgroup_limit=-1 if k or memory.cgroup_limit is None else memory.cgroup_limit,
+                           cgroup_usage=memory.cgroup_usage if k == 0 else 0) for k in range(ranks)]
+    return plan_node(figures, 0)
+
+
+# The device memory a ZeRO-3 rank keeps per parameter of its shard besides the optimizer state: the
+# 16-bit partitions of the parameters and of their gradients.
+PARTITION_BYTES_PER_PARAM = 4
+
+
+def split(state: int, host_cap: int, device: int, iteration: int) -> dict:
+    """The measured plan's split of one rank's ``state`` bytes, before anything runs: the host holds at
+    most ``host_cap``, the device keeps what fits below ``device`` less the margin and ``iteration``
+    (what the iteration needs besides the state: partitions, activations, slots; the figure the plan
+    logs). ``fits``: the part the host cannot hold fits on the device."""
+    margin = margin_bytes(device)
+    room = device - margin - iteration
+    floor = max(0, state - host_cap)
+    resident = min(state, max(floor, room))
+    return {"state": state, "host_cap": host_cap, "device": device, "margin": margin, "iteration": iteration,
+            "resident": resident, "streamed": state - resident, "fits": floor <= room}
+
+
+def largest_params(world: int, host_cap: int, device: int, iteration: int, state_now: int) -> int:
+    """The most parameters whose state fits one rank's host share and device together, given
+    ``iteration`` measured (or given) with ``state_now`` bytes of state per rank: the iteration's
+    partitions grow with the model (``PARTITION_BYTES_PER_PARAM``), the rest (activations) is taken as it is."""
+    params_now = state_now // STATE_BYTES_PER_PARAM
+    other = max(0, iteration - PARTITION_BYTES_PER_PARAM * params_now)
+    per_param = STATE_BYTES_PER_PARAM + PARTITION_BYTES_PER_PARAM
+    return max(0, (host_cap + device - margin_bytes(device) - other) // per_param) * world
 
 
 def device_limit(acc, max_device_memory_gb: Optional[float]) -> int:

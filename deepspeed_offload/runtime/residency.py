@@ -106,6 +106,7 @@ class ResidencyTable:
         self.last_load = None  # event of the newest H2D
         self.last_write = None  # event of the newest D2H
         self.early_bytes = 0  # bytes held in buffers of their own (loaded ahead of the step)
+        self._in_flight: List[Tuple[object, int]] = []  # buffers of their own dropped while a copy used them
 
     def __getitem__(self, i) -> Residency:
         return self.of[i]
@@ -182,10 +183,22 @@ class ResidencyTable:
 
     def _let_go(self, r: Residency):
         """Drop ``r``'s device buffers (buffers of its own go back to the allocator, which holds the
-        blocks until their copies end)."""
+        blocks until their copies end: until then they count in ``held_early``)."""
         if r.slot is None and r.buffers is not None:
-            self.early_bytes -= self.store_bytes(r.sub_group)
+            nbytes = self.store_bytes(r.sub_group)
+            self.early_bytes -= nbytes
+            last_copy = r.written if r.phase is Phase.WRITING_BACK else r.loaded
+            if last_copy is not None:
+                self._in_flight.append((last_copy, nbytes))
         r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
+
+    def held_early(self) -> int:
+        """Device memory buffers of their own hold: those in use, and those dropped whose copy has not
+        ended yet (the caching allocator hands their blocks out again only after it, so memory taken
+        meanwhile is new memory: counting them keeps early loads within the peak in memory reserved
+        as well as allocated). Asks the copies' events without waiting for them."""
+        self._in_flight = [(ev, n) for ev, n in self._in_flight if not self.copies.done(ev)]
+        return self.early_bytes + sum(n for _, n in self._in_flight)
 
     def release_loaded(self) -> List[int]:
         """Release every sub-group that is loading or loaded but not updated; returns them. (One

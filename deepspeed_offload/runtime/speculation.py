@@ -125,7 +125,6 @@ class Speculation:
         self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
         # sub-groups whose update a second reduction in the same backward voided: they wait for the step
         self.reduced_again: set = set()
-        self._guarded = False
         # the fp32 gradient every update of a backward builds its sub-group's into (``_grad_buffer``)
         self._grad = None
         masters = [self.opt.fp32_partitioned_groups_flat[i] for i in self.members]
@@ -146,10 +145,15 @@ class Speculation:
 
     @property
     def held_bytes(self) -> int:
-        """Device memory the updates hold: the 16-bit casts waiting for the norm, and while a backward
-        speculates, the fp32 gradient buffer (counted before its first update allocates it)."""
+        """Device memory the updates hold: the 16-bit casts waiting for the norm (and those the loaded
+        members' updates will make), and while a backward speculates, the fp32 gradient buffer (counted
+        before its first update allocates it)."""
         casts = sum(s.lp.numel() * s.lp.element_size() for s in self.updated.values())
-        return casts + (self._grad_bytes if self._boundary or self._grad is not None else 0)
+        # ... and the casts of the members loaded for an update still to come (cast_bytes)
+        table = self.mode.table
+        coming = sum(self.cast_bytes(i) for i in self.members
+                     if i not in self.updated and table[i].on_device and not table[i].host_stale)
+        return casts + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
 
     # ------------------------------------------------------------------ backward
 
@@ -160,11 +164,19 @@ class Speculation:
         if self._boundary:
             self.discard_all("no step")  # an update from a backward whose step never ran is stale
             self._seen, self._final, self._final_order, self._final_event = {}, [], [], {}
-            self._guarded = False
             if self.backoff.skips():
                 self.counters.backed_off += 1
                 self._boundary = False
         return self._boundary
+
+    def cast_bytes(self, i: int) -> int:
+        """What an update of sub-group ``i`` in this backward adds beside its loaded state: its 16-bit
+        cast, kept until the step (the early loads reserve it, since the loaded buffers stay the
+        device's until their write-back ends)."""
+        if not self._boundary or i not in self.members:
+            return 0
+        flat = self.opt.fp16_partitioned_groups_flat[i]
+        return flat.numel() * flat.element_size()
 
     def early_order(self, order: List[int]) -> List[int]:
         """The order the early loads of a speculating backward take: the members in the order their
@@ -209,9 +221,7 @@ class Speculation:
         state = self.base.state.get(master)
         if not state or any(key not in state for key in store.slices[i] if key != MASTER):
             return  # the optimizer creates its state at its first step: nothing to speculate on yet
-        if not self._guarded:
-            mode.guard()  # an async checkpoint may still read the region this writes
-            self._guarded = True
+        mode.guard(i, other=True)  # an asynchronous checkpoint may still read the region this writes
         group = self.base.param_groups[opt.sub_group_to_group_id[i]]
         lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
         # A device tensor among Adam's small state or the group's entries (a capturable step, a

@@ -243,14 +243,16 @@ class StreamMode:
         """Load the next offloaded sub-groups, in ``_early_order`` (step order; speculation's members
         first when it speculates), into buffers of their own while the bytes held that way (and by
         speculated updates) stay within ``allowance`` (``LoadTiming.gradient_ready``)."""
-        held = self.table.early_bytes + (self.speculation.held_bytes if self.speculation is not None else 0)
+        spec = self.speculation
+        held = self.table.held_early() + (spec.held_bytes if spec is not None else 0)
         while self._next_early < len(self._early_order):
             i = self._early_order[self._next_early]
             if not self.table[i].on_device:
-                if held + self.layout.nbytes[i] > allowance:
+                needed = self.layout.nbytes[i] + (spec.cast_bytes(i) if spec is not None else 0)  # (its cast to come)
+                if held + needed > allowance:
                     return  # asked again at the next gradient hook, when backward has freed more
                 self._load(i, slot=None, early=True)
-                held += self.layout.nbytes[i]
+                held += needed
             self._next_early += 1
 
     def _prefetch_into_slots(self):
@@ -346,13 +348,12 @@ class StreamMode:
         self.tensors.move_into(i, lambda key: self.table.view(i, key))
         self.stats.span("update", (self._update_start, self.copies.clock()))
         self.table.mark_updated(i)
-        if self.stats.sub_groups == 0:
-            self.guard()  # the first write to the host store in this step
         self.stats.sub_groups += 1
         if not (self.defer_write_back and self.table[i].slot is None):
             self._write_back(i, self.stats)
 
     def _write_back(self, i, stats: Optional[StepStats]):
+        self.guard(i)  # an asynchronous checkpoint may still be reading its host region
         nbytes, span = self.table.write_back(i)
         self.tensors.point_at(i, lambda key: self.store.view(i, key))
         if stats is not None:
@@ -413,7 +414,8 @@ class StreamMode:
         measured = self.timing.measurements > self._measurements_seen
         if measured:
             self._measurements_seen = self.timing.measurements
-            promote, give_back = self.plan.after_measurement(self.timing.peak_reserved, self.order, self.probe.nbytes)
+            promote, give_back = self.plan.after_measurement(self.timing.peak_reserved, self.order, self.probe.nbytes,
+                                                             self.probe.resident_bytes(len(self.resident)))
         else:
             promote, give_back = [], self.plan.after_step(self.acc.memory_reserved(), self.probe.nbytes)
         if promote or give_back:
@@ -432,8 +434,9 @@ class StreamMode:
                  f"of optimizer state resident ({len(self.resident)} sub-groups, {len(plan.promoted)} of them "
                  f"since the measurement), {format_bytes(sum(self.layout.nbytes.values()))} streamed "
                  f"({len(self.order)}); the measured iteration's peak: {format_bytes(plan.measured_peak or 0)} "
-                 f"reserved; limit {format_bytes(plan.limit)} ({limit}) less a margin of {format_bytes(plan.margin)}",
-                 ranks=[0])
+                 f"reserved, {format_bytes(plan.iteration or 0)} of it besides the state (deepspeed-offload estimate "
+                 f"--iteration-memory-gb {(plan.iteration or 0) / 2**30:.1f}); limit {format_bytes(plan.limit)} "
+                 f"({limit}) less a margin of {format_bytes(plan.margin)}", ranks=[0])
 
     def _place(self, k: int):
         """From the next step on, the first ``k`` sub-groups keep their state on the device and the rest
@@ -449,11 +452,10 @@ class StreamMode:
         device = self.acc.current_device_name()
         to_device = [i for i in new.resident if i in old.order]
         to_host = [i for i in old.resident if i in new.order]
-        if to_host:
-            self.guard()  # an async checkpoint may still be reading those regions
         for i in to_device:
             self.tensors.point_at(i, lambda key: self.store.view(i, key).to(device, copy=True))
         for i in to_host:
+            self.guard(i)  # an asynchronous checkpoint may still be reading its region
             self.tensors.move_into(i, lambda key: self.store.view(i, key))
         moved = self.probe.resident_bytes(len(new.resident)) - self.probe.resident_bytes(len(old.resident))
         self.layout, self.order, self.resident, self.slot_bytes = new, new.order, new.resident, new.slot_bytes
@@ -471,8 +473,6 @@ class StreamMode:
         compile mode calls this per sub-group at the next forward's head). Returns the bytes."""
         todo = self.table.in_phase(Phase.UPDATED) if sub_groups is None else \
             [i for i in sub_groups if self.table[i].phase is Phase.UPDATED]
-        if todo:
-            self.guard()  # an async checkpoint may still be reading the host copy this overwrites
         # Counted in the stats of the step that updated them.
         return sum(self._write_back(i, self.last_stats) for i in todo)
 
@@ -488,10 +488,13 @@ class StreamMode:
         if self.speculation is not None:
             self.speculation.discard_all(why)
 
-    def guard(self):
-        """Before host state is overwritten: let an in-flight checkpoint write finish reading it."""
+    def guard(self, i: Optional[int] = None, other: bool = False):
+        """Before sub-group ``i``'s host region (``other``: its second one; None: the whole store) is
+        overwritten: an asynchronous checkpoint still reading it finishes that first."""
         if self.checkpointer is not None:
-            self.checkpointer.guard()
+            ranges = None if i is None else [(r.data_ptr(), r.numel() * r.element_size())
+                                             for r in (self.store.region(i, dt, other) for dt in self.store.region_numel(i))]
+            self.checkpointer.guard(ranges)
 
     def host_resident(self) -> bool:
         """True when every offloaded tensor that exists points at its slice of the host store."""

@@ -126,6 +126,9 @@ class DeferredCopies:
     def wait_host(self, event):
         self._complete(event)
 
+    def done(self, event):
+        return event is None or event.stream.done >= event.index
+
     def clock(self):
         return time.perf_counter()
 

@@ -133,6 +133,42 @@ def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int 
     return result
 
 
+def launch_two_nodes(spec: dict, tmp_path: Path, name: str, ranks_per_node: int = 2, timeout: int = 600):
+    """``parity_train.py`` on two simulated nodes: two ``torchrun`` agents on this host (``--nnodes 2``,
+    ``--node_rank`` 0 and 1, ``ranks_per_node`` CPU ranks each, gloo). Returns rank 0's result and each
+    agent's output (node 0's, node 1's)."""
+    out = tmp_path / f"{name}.pt"
+    spec_file = tmp_path / f"{name}.json"
+    spec_file.write_text(json.dumps(dict(spec, out=str(out))))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    agents = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+               "--nproc_per_node", str(ranks_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+               str(PARITY), str(spec_file)]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True))
+    logs = []
+    try:
+        for agent in agents:
+            logs.append(agent.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for agent in agents:
+            os.killpg(agent.pid, signal.SIGKILL)
+        raise LaunchError(f"{name}: the two agents timed out after {timeout}s") from None
+    for node, (agent, log) in enumerate(zip(agents, logs)):
+        (tmp_path / f"{name}-node{node}.log").write_text(log)
+        if agent.returncode != 0:
+            raise LaunchError(f"{name}: node {node}'s agent exited {agent.returncode}\n{log[-6000:]}")
+    result = torch.load(out, weights_only=False)
+    for k, variant in enumerate(result.get("variants", [])):
+        outcome(variant, f"{name}, variant {k}")
+    return result, logs
+
+
 def outcome(result: dict, what: str) -> dict:
     """A variant's result as parity_train.py reported it: the test skips where this machine cannot run
     it (``skipped``), fails where it failed (``error``, with the ranks' messages), else gets it."""
@@ -183,11 +219,12 @@ def assert_bitwise_equal(a: dict, b: dict, what=("losses", "fp32", "state")):
             assert torch.equal(x, y), f"{section} {key} differs: max |diff| {(x.float() - y.float()).abs().max()}"
 
 
-def slow_writes(tag: str, seconds: float, guard: bool = True) -> dict:
+def slow_writes(tag: str, seconds: float, guard: bool = True, copy_aside=None) -> dict:
     """A spec's ``faults``: each file of a save whose path contains ``tag`` waits ``seconds`` before it
     is written and again before it is renamed into place (a write slow enough to race with or to
-    kill); ``guard=False`` turns the guard off."""
-    return {"faults": {"delay_tag": tag, "write_delay_s": seconds, "guard": guard}}
+    kill); ``guard=False`` turns the guard off; ``copy_aside`` True/False: the state copied aside, or
+    written from the host store (None: as the host memory allows)."""
+    return {"faults": {"delay_tag": tag, "write_delay_s": seconds, "guard": guard, "copy_aside": copy_aside}}
 
 
 def inject_checkpoint_faults(engine, spec: dict):
@@ -206,4 +243,4 @@ def inject_checkpoint_faults(engine, spec: dict):
         if tag in path:
             time.sleep(seconds)
 
-    ckpt.faults = Faults(guard=faults.get("guard", True), before_file=slow)
+    ckpt.faults = Faults(guard=faults.get("guard", True), before_file=slow, copy_aside=faults.get("copy_aside"))

@@ -385,6 +385,9 @@ def detach_and_check(engine):
 
 def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
+    if spec.get("log_info"):  # DeepSpeed logs at WARNING by default; our progress lines are INFO
+        from deepspeed.utils.logging import set_log_level_from_string
+        set_log_level_from_string("info")
     deepspeed.init_distributed()  # before any variant: one that is skipped or fails early still agrees
     if NO_FP16 in os.environ:  # the tests' stand-in for a CPU without fp16 (an AMD one)
         get_accelerator().is_fp16_supported = lambda: False
@@ -525,7 +528,7 @@ def train_with(spec):
 
         def watched(allowance):
             load_early(allowance)
-            held = handle.table.early_bytes + speculation.held_bytes
+            held = handle.table.held_early() + speculation.held_bytes
             result_extra["early_held_max"] = max(result_extra.get("early_held_max", 0), held)
             result_extra["early_cap"] = handle.timing.early_cap
 
@@ -536,6 +539,7 @@ def train_with(spec):
     gen = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
     step_stats = []  # the handle's step_stats() after each optimizer step
+    step_seconds = []  # how long each iteration (forward, backward, step) took, wall clock
     held_after_step = []  # per optimizer step: offloaded sub-groups not back on the host when it returned
     result_extra = {}
     gas = spec.get("gas", 1)
@@ -547,6 +551,7 @@ def train_with(spec):
         handle = deepspeed_offload.get_handle(engine)
         loaded_into_store = handle.host_resident() if handle is not None else None
     for step in range(spec.get("steps", 6)):
+        iteration_start = time.perf_counter()
         for micro in range(gas):
             x = torch.randn(4, hidden, generator=gen).to(device, dtype)
             y = torch.sin(x.float().sum(dim=1, keepdim=True)).to(dtype)
@@ -583,6 +588,8 @@ def train_with(spec):
                 result_extra["abort"] = abort_step(engine, spec.get("abort_fail_at"))
                 continue
             engine.step()
+            if micro == gas - 1:
+                step_seconds.append(time.perf_counter() - iteration_start)
             losses.append(loss.item())
             handle = deepspeed_offload.get_handle(engine)
             if handle is not None and micro == gas - 1 and hasattr(handle, "table"):
@@ -606,6 +613,7 @@ def train_with(spec):
     deepspeed_offload.wait_for_checkpoint(engine)
     step_stats = [None if s is None else s.resolve() for s in step_stats]
     result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats,
+              "step_seconds": step_seconds,
               "held_after_step": held_after_step,
               "loaded_into_store": loaded_into_store, **result_extra}
     for name, p in engine.module.named_parameters():

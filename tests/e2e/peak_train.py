@@ -27,8 +27,8 @@ class Blocks(torch.nn.Module):
             for _ in range(blocks))
         self.head = torch.nn.Linear(hidden, vocab)
 
-    def forward(self, x, labels):
-        for block in self.blocks:
+    def forward(self, x, labels, blocks=None):
+        for block in self.blocks[:blocks]:
             x = x + checkpoint(block, x, use_reentrant=False)
         return torch.nn.functional.cross_entropy(self.head(x).float(), labels)
 
@@ -43,18 +43,30 @@ def run(spec, offload):
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(spec["tokens"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, spec["vocab"], (spec["tokens"], ), device="cuda")
-    peaks = []
+    peaks, reserved, resident = [], [], []
+    late = spec.get("late_block_from")  # the last block is used from this step on only (hooks that change)
+    handle = deepspeed_offload.get_handle(engine)
     for step in range(spec["steps"]):
+        if step == spec.get("grow_at"):  # a longer input from here on (the shapes grow)
+            x = torch.randn(spec["grow_to"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
+            labels = torch.randint(0, spec["vocab"], (spec["grow_to"], ), device="cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()  # (the policy resets them too, while it measures)
-        engine.backward(engine(x, labels))
+        blocks = None if late is None or step >= late else spec["blocks"] - 1
+        engine.backward(engine(x, labels, blocks))
         engine.step()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
-    handle = deepspeed_offload.get_handle(engine)
+        reserved.append(torch.cuda.memory_reserved())  # (the reserved peak: the allocator never gives any back)
+        resident.append(len(handle.resident))
     stats = handle.step_stats()
-    out = {"peaks": peaks, "slot_bytes": handle.slot_bytes, "loaded_early": stats["loaded_early"],
-           "sub_groups": len(handle.order), "between": torch.cuda.memory_allocated()}
+    spec_counters = None if handle.speculation is None else handle.speculation.counters.as_dict()
+    out = {"peaks": peaks, "reserved": reserved, "slot_bytes": handle.slot_bytes, "loaded_early": stats["loaded_early"],
+           "sub_groups": len(handle.order), "between": torch.cuda.memory_allocated(),
+           "divergences": handle.timing.divergences, "measurements": handle.timing.measurements,
+           "speculation": spec_counters, "resident": resident,
+           "limit": None if handle.plan is None else handle.plan.limit,
+           "margin": None if handle.plan is None else handle.plan.margin}
     del engine, handle, model
     gc.collect()
     torch.cuda.empty_cache()

@@ -64,10 +64,33 @@ def optimizer_files_equal(dir_a, dir_b, tag, which="optim_states"):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     out = {"tmp": tmp}
-    # at step 3: DeepSpeed's synchronous save into s/, then ours into a/, then training goes on
+    # at step 3: DeepSpeed's synchronous save into s/, then ours into a/, then training goes on; each
+    # file waits a second before it is written: the state copied aside (as the host memory here
+    # allows), or written from the host store
     save = {"at": 3, "tag": "slow3", "dir": str(tmp / "a"), "sync_dir": str(tmp / "s")}
-    out["async"] = launch(dict(BASE, offload=ASYNC, saves=[save], **SLOW), tmp, "async")
+    out["async"] = launch(dict(BASE, offload=ASYNC, saves=[save], **slow_writes("slow", 1.0, copy_aside=True)),
+                          tmp, "async")
+    save = dict(save, dir=str(tmp / "store"), sync_dir=str(tmp / "store-sync"))
+    out["from_store"] = launch(dict(BASE, offload=ASYNC, saves=[save], **slow_writes("slow", 1.0, copy_aside=False)),
+                               tmp, "from_store")
     return out
+
+
+def test_the_step_after_a_save_waits_only_for_what_it_overwrites(runs):
+    """Copied aside, the iterations after the save do not wait for the (slow) write; written from the
+    host store, one of them waits until the file holds what it overwrites (the guard: in the step, or,
+    speculating, in the backward that writes a second region the save reads), and the files are right
+    either way."""
+    tmp = runs["tmp"]
+    aside, from_store = runs["async"]["step_seconds"], runs["from_store"]["step_seconds"]
+    assert max(aside[3:]) < 0.5, aside  # the iterations after the save at 3
+    assert max(from_store[3:]) > 1.0, from_store  # the writer held each file for a second first
+    assert optimizer_files_equal(tmp / "store", tmp / "store-sync", "slow3", which=".pt")
+    assert ck.verify_checkpoint(str(tmp / "store" / "slow3")) is None
+    # only each tensor's own bytes in the file: not the whole store (its second regions included)
+    store = sum(os.path.getsize(p) for p in glob.glob(str(tmp / "a" / "slow3" / "*optim_states.pt")))
+    sync = sum(os.path.getsize(p) for p in glob.glob(str(tmp / "s" / "slow3" / "*optim_states.pt")))
+    assert store <= 1.1 * sync, (store, sync)
 
 
 def test_async_files_equal_sync_files(runs):
@@ -101,7 +124,8 @@ def test_resume_from_async_checkpoint_is_exact(runs):
 def test_without_the_guard_the_race_is_seen(runs):
     tmp = runs["tmp"]
     save = {"at": 3, "tag": "slow3", "dir": str(tmp / "noguard"), "sync_dir": str(tmp / "noguard-sync")}
-    launch(dict(BASE, offload=ASYNC, saves=[save], **slow_writes("slow", 1.0, guard=False)), tmp, "noguard")
+    launch(dict(BASE, offload=ASYNC, saves=[save], **slow_writes("slow", 1.0, guard=False, copy_aside=False)), tmp,
+           "noguard")
     assert not optimizer_files_equal(tmp / "noguard", tmp / "noguard-sync", "slow3"), \
         "with the guard off the next steps should have overwritten the state being written"
 

@@ -26,6 +26,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from deepspeed_offload.host_memory import HostMemory
+
 import deepspeed_offload
 from deepspeed_offload.runtime import checkpoint as ck
 from deepspeed_offload.runtime import agreement
@@ -85,8 +87,8 @@ def marker(tag_dir, rank=0):
     return json.loads((Path(tag_dir) / names.MARKER.format(rank)).read_text())
 
 
-def denied(path):
-    """Stands in for files.DigestingFile: the file cannot be created."""
+def denied(path, *args):
+    """Stands in for files.TrackedFile: the file cannot be created."""
     raise PermissionError(13, "Permission denied", path)
 
 
@@ -208,14 +210,14 @@ def test_swaps_of_one_process_take_turns(tmp_path):
 
 def test_a_failed_write_says_why_at_the_next_step_and_cleans_up(tmp_path, monkeypatch):
     engine, ckpt = saved(tmp_path, "good")
-    real_write = files.DigestingFile.write
+    real_write = files.TrackedFile.write
 
     def full_disk(self, data):
         if self.nbytes > 1000:
             raise OSError(28, "No space left on device")
         return real_write(self, data)
 
-    monkeypatch.setattr(files.DigestingFile, "write", full_disk)
+    monkeypatch.setattr(files.TrackedFile, "write", full_disk)
     engine.save_checkpoint(str(tmp_path), tag="bad")
     assert "No space left on device" in str(ckpt.wait_here())  # known here, not raised yet
     with pytest.raises(ck.CheckpointWriteError, match=r"No space left on device \(ENOSPC\): .*bad.*(model|optim)\.pt"):
@@ -327,7 +329,7 @@ def test_a_failed_rank_removes_only_its_own_tmp_files(tmp_path):
 def test_permission_denied_is_named_with_the_path(tmp_path, monkeypatch):
     engine = two_files()
     ckpt = ck.AsyncCheckpointer(engine, [])
-    monkeypatch.setattr(files, "DigestingFile", denied)
+    monkeypatch.setattr(files, "TrackedFile", denied)
     engine.save_checkpoint(str(tmp_path), tag="t")
     with pytest.raises(ck.CheckpointWriteError, match=r"Permission denied \(EACCES\): .*model\.pt\.tmp"):
         ckpt.wait()
@@ -559,27 +561,54 @@ def test_load_finishes_a_swap_killed_half_way(tmp_path):
     assert ck.verify_checkpoint(str(tmp_path / "t1")) is None
 
 
-def test_guard_blocks_until_serialized(tmp_path):
+def store_engine():
+    """An engine whose one file holds two tensors of a host store (like an fp32 master and a moment of
+    two sub-groups), and a third range of the store the save does not read."""
+    store = torch.arange(3000, dtype=torch.float32)
+    state = {"a": store.narrow(0, 0, 1000), "b": store.narrow(0, 1000, 1000)}
+    return FakeEngine([("optim.pt", {"state": state})]), store
+
+
+def ranges(store, start, n):
+    return [(store.data_ptr() + 4 * start, 4 * n)]
+
+
+@pytest.mark.parametrize("aside", [True, False], ids=["copied_aside", "written_from_the_store"])
+def test_guard_waits_only_for_the_ranges_it_overwrites(tmp_path, monkeypatch, aside):
+    """The writer held before its file: with the state copied aside the step may overwrite the store once
+    the copies are done; written from the store, it waits for each range until that range is in the
+    file, and never for a range the save does not read."""
+    from deepspeed_offload.runtime.checkpoint import staging
+    monkeypatch.setattr(staging.HostMemory, "read",
+                        classmethod(lambda cls: HostMemory(total=2**40, available=2**40 if aside else 0)))
     hold = threading.Event()
-    engine = two_files()
-    ckpt = ck.AsyncCheckpointer(engine, [], faults=Faults(before_file=lambda path: hold.wait(10)))
-    engine.save_checkpoint(str(tmp_path), tag="t")  # its writer held before the first file
+    engine, store = store_engine()
+    ckpt = ck.AsyncCheckpointer(engine, [store], faults=Faults(before_file=lambda path: hold.wait(10)))
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    assert ckpt.stager.copies_aside is aside
+    ckpt.guard(ranges(store, 2000, 1000))  # not read by the save: at once
     released = []
-    t = threading.Thread(target=lambda: (ckpt.guard(), released.append(True)))
+    t = threading.Thread(target=lambda: (ckpt.guard(ranges(store, 500, 10)), released.append(True)))
     t.start()
-    t.join(0.2)
-    assert not released and not ckpt.synchronize_staging(0)
+    t.join(0.3)
+    assert bool(released) is aside and ckpt.synchronize_staging(0) is aside
+    store.fill_(-1.0)  if aside else None  # copied aside: the store may change, the file keeps the saved values
     hold.set()
-    t.join(2)
+    t.join(5)
     assert released
     ckpt.wait()
+    saved = torch.load(tmp_path / "t" / "optim.pt", weights_only=False)["state"]
+    assert torch.equal(saved["a"], torch.arange(1000, dtype=torch.float32))
+    assert saved["a"].untyped_storage().nbytes() == 4000  # its own bytes, not the whole store
 
 
-def test_without_the_guard_the_step_does_not_wait(tmp_path):
+def test_without_the_guard_the_step_does_not_wait(tmp_path, monkeypatch):
     """What the e2e race test turns off (Faults(guard=False)): guard() returns at once."""
+    from deepspeed_offload.runtime.checkpoint import staging
+    monkeypatch.setattr(staging.HostMemory, "read", classmethod(lambda cls: HostMemory(total=2**40, available=0)))
     hold = threading.Event()
-    engine = two_files()
-    ckpt = ck.AsyncCheckpointer(engine, [], faults=Faults(guard=False, before_file=lambda path: hold.wait(10)))
+    engine, store = store_engine()
+    ckpt = ck.AsyncCheckpointer(engine, [store], faults=Faults(guard=False, before_file=lambda path: hold.wait(10)))
     engine.save_checkpoint(str(tmp_path), tag="t")
     ckpt.guard()
     assert not ckpt.synchronize_staging(0)  # returned while the files were still being serialized
@@ -633,7 +662,7 @@ def test_a_failed_rank_flushes_its_logs_before_exiting(tmp_path, monkeypatch):
     engine, ckpt = saved(tmp_path, "good")
     checkpointer.wait_for_writers_at_exit()
     assert calls == []  # every write went well: the interpreter exits as it would
-    monkeypatch.setattr(files, "DigestingFile", denied)
+    monkeypatch.setattr(files, "TrackedFile", denied)
     engine.save_checkpoint(str(tmp_path), tag="bad")
     checkpointer.wait_for_writers_at_exit()
     assert calls == ["logging.shutdown", ("_exit", 1)]

@@ -86,11 +86,52 @@ def test_estimate_uses_the_config_budget_and_splits_ranks(capsys, tmp_path):
     assert est["host_pinned_per_node"] == 4 * est["gpu_freed_per_rank"]
 
 
-def test_estimate_warns_when_host_memory_is_short(capsys, fake_host):
+def test_estimate_warns_when_host_memory_is_short(capsys, fake_host, tmp_path):
     fake_host(total=16 * 2**30, available=4 * 2**30)  # 2 GiB usable, 11.2 GiB of state
-    assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50"]) == 0
+    cfg = tmp_path / "c.json"  # a budget set by hand: the store must hold the rest
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                               "optimizer_state_offload": {"enabled": True, "memory_budget_gb": 0}}))
+    assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50", "--config", str(cfg)]) == 0
     err = capsys.readouterr().err
     assert "warning (this host):" in err and "need 11.18 GiB" in err and "can give 2.00 GiB" in err
+
+
+def test_estimate_splits_the_state_between_the_gpu_and_the_host(capsys):
+    """A 13B on a 139.8 GiB GPU beside a host that can give 112.1 GiB, with 60 GiB for the iteration: the GPU
+    keeps what fits below the device less the margin, the host the rest; with 30 GiB of host memory the part
+    the host cannot hold does not fit the device."""
+    gib = 2**30
+    args = ["--bandwidth", "48", "--iteration-memory-gb", "60", "--device-memory-gb", "139.8", "--host-memory-gb", "118"]
+    place = estimate(capsys, "--params", "13000000000", *args)["placement"]
+    assert place["fits"] and place["resident"] + place["streamed"] == place["state"] == 13_000_000_000 * 12
+    assert place["resident"] == int(139.8 * gib) - place["margin"] - 60 * gib and place["margin"] == int(0.03 * 139.8 * gib)
+    assert place["streamed"] <= place["host_cap"]
+    # the largest model: its state fills the host's share and the device's room, where the iteration
+    # grows by its 16-bit partitions (4 bytes a parameter) and keeps this one's activations
+    largest, other = place["largest_params"], 60 * gib - 4 * 13_000_000_000
+    assert 13_000_000_000 < largest < 20_000_000_000
+    fill = 12 * largest + other + 4 * largest
+    assert 0 <= place["host_cap"] + int(139.8 * gib) - place["margin"] - fill < 16
+    assert cli_main(["estimate", "--params", "13000000000", *args[:-2], "--host-memory-gb", "30"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_check_shows_each_ranks_store_and_speculations_share(capsys, fake_host, tmp_path):
+    """The node's plan as attach would judge it: with 8 ranks, what is spare after the stores is shared,
+    and where nothing is, speculation is off (the default never takes the node below its headroom)."""
+    fake_host(total=128 * 2**30, available=100 * 2**30)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                               "optimizer_state_offload": {"enabled": True}}))
+    assert cli_main(["check", str(cfg), "--params", "1000000000", "--ranks-per-node", "1"]) == 0
+    one = capsys.readouterr().out
+    assert "store 11.18 GiB per rank; speculation 11.18 GiB per rank" in one
+    assert cli_main(["check", str(cfg), "--params", "7000000000", "--world-size", "8", "--ranks-per-node", "8"]) == 0
+    eight = capsys.readouterr().out
+    assert "store 9.78 GiB per rank; speculation 1." in eight and "shared by 8 rank(s)" in eight
+    assert cli_main(["check", str(cfg), "--params", "13000000000", "--ranks-per-node", "1"]) == 0
+    big = capsys.readouterr().out
+    assert "stays on the GPU (the host cannot hold it); speculation off (no host memory is spare" in big
 
 
 def test_estimate_needs_a_bandwidth_without_gpu(capsys, monkeypatch):

@@ -100,7 +100,8 @@ class AsyncCheckpointer:
                 shutil.rmtree(staging, ignore_errors=True)
             agreement.raise_agreed(failures, problem, CheckpointWriteError, f"checkpoint {tag} not saved")
             staged, scripts, zipfile = self.stager.stage(self.engine, self._orig_save, save_dir, tag, staging,
-                                                         client_state, exclude_frozen_parameters)
+                                                         client_state, exclude_frozen_parameters,
+                                                         self.faults.copy_aside)
         except BaseException:
             if heartbeat is not None:
                 heartbeat.stop(remove_file=True)
@@ -114,8 +115,10 @@ class AsyncCheckpointer:
         self._staging = staging
         self._reported = False
         self.future = write_async(job, staged, heartbeat, self.settings, self.faults)
+        how = "copied aside, then written" if self.stager.copies_aside else \
+            "written from the host store (not enough host memory spare to copy it aside)"
         log_dist(f"[deepspeed-offload] checkpoint {tag}: save_checkpoint blocked {blocking:.3f} s; "
-                 f"{len(staged.paths)} file(s) writing in the background", ranks=[0])
+                 f"{len(staged.paths)} file(s) writing in the background, the optimizer state {how}", ranks=[0])
         return True
 
     def _start(self, save_dir, tag, rank) -> Tuple[str, Optional[str]]:
@@ -179,15 +182,18 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ waiting
 
     def synchronize_staging(self, timeout: Optional[float] = None) -> bool:
-        """Block until the last save's files are serialized, so the host store they alias may be
-        overwritten. False if ``timeout`` seconds passed first."""
+        """Block until nothing of the host store is still to be read by the last save (copied aside, or
+        written to its files), so all of it may be overwritten. False if ``timeout`` seconds passed first."""
         staged = self.staged
         return staged is None or staged.wait_released(timeout)
 
-    def guard(self):
-        """Called by the streamed step right before it first overwrites host state."""
-        if self.faults.guard:
-            self.synchronize_staging()
+    def guard(self, ranges=None):
+        """Called by the streamed step right before it overwrites host state: the byte ``ranges``
+        ((start, bytes) of the host store; None: all of it). Waits only while the last save still
+        has to read some of them."""
+        staged = self.staged
+        if self.faults.guard and staged is not None:
+            staged.regions.wait(ranges)
 
     def pending(self) -> bool:
         """True while this rank's writer (or, on rank 0, the commit) is still running. No collective."""
@@ -243,6 +249,7 @@ class AsyncCheckpointer:
     def close(self):
         """Wait for the last save (collective) and take the hooks off the engine."""
         self.wait()
+        self.stager.close()
         self._uninstall()
         _live.discard(self)
 

@@ -1,40 +1,52 @@
-"""File primitives of a save: a file appears whole or not at all, and its digest costs no re-read.
+"""File primitives of a save: a file appears whole or not at all, and the host memory it was written
+from is free to change as soon as its bytes reached the file.
 
-``serialize`` writes through ``DigestingFile`` (sha256 of every byte on its way to disk) into
-``<path>.tmp``; ``publish`` fsyncs it and renames it into place; ``atomic_write`` does both for the
-small files (markers, the journal, ``latest``). What this package reads back it reads as JSON.
+``serialize`` writes through ``TrackedFile`` into ``<path>.tmp`` and reports each write's source memory
+once the write returned (staging.py's ``Regions``: the step may overwrite that part of the host store
+then); the digest is taken afterwards from the page cache (``file_digest``), off the step's way;
+``publish`` fsyncs and renames into place; ``atomic_write`` does both for the small files (markers,
+the journal, ``latest``). What this package reads back it reads as JSON.
 """
 
 import hashlib
 import json
 import os
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
+import numpy
 import torch
 
 DIGEST = "sha256"
-CHUNK = 8 << 20  # bytes read per call when re-hashing a file
+CHUNK = 8 << 20  # bytes read per call when hashing a file
 
 
-class DigestingFile:
-    """Write-only file object that hashes every byte on its way to the file: one pass, no re-read.
-    It has no ``fileno``, so torch.save writes everything through ``write``."""
+def address(data) -> int:
+    """Where the bytes of a buffer (torch.save hands the storages' own memory, read-only) begin."""
+    return int(numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data)
 
-    def __init__(self, path):
+
+class TrackedFile:
+    """Write-only file object for torch.save: each write goes to the file and, once it returned (the
+    bytes are the kernel's), ``on_written(address, nbytes)`` hears of the memory it read. It has no
+    ``fileno``, so torch.save writes everything through ``write``."""
+
+    def __init__(self, path, on_written: Optional[Callable[[int, int], None]] = None):
         self.path = path
         self._f = open(path, "wb")
-        self._hash = hashlib.new(DIGEST)
+        self.on_written = on_written
         self.nbytes = 0
         self.os_error = None  # the first OSError, which torch may re-raise as something vaguer
 
     def write(self, data):
+        view = memoryview(data)
         try:
-            n = self._f.write(data)
+            n = self._f.write(view)
         except OSError as e:
             self.os_error = self.os_error or e
             raise
-        self._hash.update(data)
-        self.nbytes += memoryview(data).nbytes
+        self.nbytes += view.nbytes
+        if self.on_written is not None and view.nbytes:
+            self.on_written(address(view), view.nbytes)
         return n
 
     def flush(self):
@@ -47,13 +59,10 @@ class DigestingFile:
             self.os_error = self.os_error or e
             raise
 
-    def hexdigest(self):
-        return self._hash.hexdigest()
 
-
-def serialize(path, obj, zipfile: bool) -> Dict[str, object]:
-    """torch.save ``obj`` to ``path.tmp`` (into the page cache); its size and digest."""
-    f = DigestingFile(f"{path}.tmp")
+def serialize(path, obj, zipfile: bool, on_written: Optional[Callable[[int, int], None]] = None) -> int:
+    """torch.save ``obj`` to ``path.tmp`` (into the page cache); its size."""
+    f = TrackedFile(f"{path}.tmp", on_written)
     try:
         try:
             torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
@@ -63,7 +72,7 @@ def serialize(path, obj, zipfile: bool) -> Dict[str, object]:
         if f.os_error is not None:
             raise f.os_error from e
         raise
-    return {"bytes": f.nbytes, DIGEST: f.hexdigest()}
+    return f.nbytes
 
 
 def publish(path, before_rename: Optional[Callable[[str], None]] = None):

@@ -41,6 +41,9 @@ class Faults:
     # Rank 0, called with the SaveJob once this rank's files are published, before the commit waits
     # for the other ranks (a test holds or fails the commit).
     before_commit: Optional[Callable[[object], None]] = None
+    # True/False: copy the host store's tensors aside, or write them from the store, whatever the
+    # host memory (None: as it allows; staging.py).
+    copy_aside: Optional[bool] = None
 
 
 NO_FAULTS = Faults()

@@ -4,21 +4,74 @@ While DeepSpeed builds its state dicts, its checkpoint engine is swapped for ``C
 records them, so the files keep DeepSpeed's names and format (``load_checkpoint`` and
 ``zero_to_fp32.py`` work unchanged). Each state dict is snapshotted: device tensors are copied to
 the host now, small CPU tensors and Python objects are copied, and tensors in the host store (fp32
-masters, optimizer moments: the bulk) are aliased, with no second host copy. Because of the aliases
-the host store must not be overwritten until the writer has serialized them: ``StagedFiles`` is the
-handle the writer releases and the guard waits on (torch.distributed.checkpoint's
-``AsyncStager.stage`` / ``synchronize_staging`` split).
+masters, optimizer moments: the bulk) are taken one of two ways:
+
+- **copied aside** (where the node has the host memory spare for it): threads copy each into a tensor
+  of its own, in the store's order (the step's), while training goes on; the writer serializes the
+  copies at the disk's speed;
+- **aliased** (otherwise): each is written from the store itself, through a storage of exactly its own
+  bytes (so the file holds those bytes and not the whole store, second regions included).
+
+Either way ``Regions`` knows, per host-store tensor, when its bytes may be overwritten (copied aside,
+or written to its file) and the step waits only for the sub-groups it is about to overwrite
+(``AsyncCheckpointer.guard``). ``StagedFiles`` is the handle the writer releases once everything is
+serialized (torch.distributed.checkpoint's ``AsyncStager.stage`` / ``synchronize_staging`` split).
 """
 
 import copy
 import os
 import threading
-from typing import Callable, List, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...host_memory import HostMemory
 from ..patches import PatchRegistry
 from .errors import CheckpointWriteError
+
+# Threads that copy the host store's tensors aside, in the store's order.
+COPY_THREADS = 8
+
+
+class Regions:
+    """The host-store byte ranges a save reads, and how much of each is still to be copied aside or
+    written: a range may be overwritten once that is none. Thread-safe; ``wait`` blocks the caller."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._spans: List[List[int]] = []  # [start, end, bytes still to copy or write]
+
+    def add(self, start: int, nbytes: int):
+        with self._cond:
+            self._spans.append([start, start + nbytes, nbytes])
+
+    def done(self, start: int, nbytes: int):
+        """``nbytes`` from ``start`` were copied aside or reached their file."""
+        end = start + nbytes
+        with self._cond:
+            for span in self._spans:
+                overlap = min(end, span[1]) - max(start, span[0])
+                if overlap > 0 and span[2]:
+                    span[2] = max(0, span[2] - overlap)
+            self._cond.notify_all()
+
+    def release(self):
+        """Nothing more will be read (the writer finished, or failed)."""
+        with self._cond:
+            for span in self._spans:
+                span[2] = 0
+            self._cond.notify_all()
+
+    def _pending(self, ranges) -> bool:
+        return any(span[2] and (ranges is None or any(span[0] < a + n and a < span[1] for a, n in ranges))
+                   for span in self._spans)
+
+    def wait(self, ranges: Optional[Sequence[Tuple[int, int]]] = None, timeout: Optional[float] = None) -> bool:
+        """Block until every range of ``ranges`` ((start, bytes); None: all) may be overwritten. False if
+        ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending(ranges), timeout)
 
 
 class Capture:
@@ -50,13 +103,16 @@ class Capture:
 
 
 class StagedFiles:
-    """This rank's files of one save, snapshotted: ``(staging path, state)`` pairs. The writer
-    serializes them, then calls ``release()``, which drops them; ``wait_released()`` blocks until
-    then (the host store may be overwritten from that moment)."""
+    """This rank's files of one save, snapshotted: ``(staging path, state)`` pairs, the host-store
+    ``regions`` they read and the copies aside still running. The writer serializes the files once
+    the copies are done, then calls ``release()``, which drops them; ``wait_released()`` blocks until
+    the whole host store may be overwritten."""
 
-    def __init__(self, files: List[Tuple[str, object]]):
+    def __init__(self, files: List[Tuple[str, object]], regions: Optional[Regions] = None, copies=None):
         self.paths = tuple(path for path, _ in files)
         self._files = files
+        self.regions = regions if regions is not None else Regions()
+        self._copies = list(copies or [])  # futures of the copies aside
         self._released = threading.Event()
 
     @property
@@ -65,30 +121,43 @@ class StagedFiles:
             raise RuntimeError("the staged files were released")
         return self._files
 
+    def wait_copied(self):
+        """Every copy aside done (raises what one raised): the snapshot holds the saved values."""
+        for future in self._copies:
+            future.result()
+
     def release(self):
         self._files = None
+        self._copies = []
+        self.regions.release()
         self._released.set()
 
     def released(self) -> bool:
         return self._released.is_set()
 
     def wait_released(self, timeout: Optional[float] = None) -> bool:
-        return self._released.wait(timeout)
+        return self.regions.wait(None, timeout)
 
 
 class HostStoreStager:
-    """Stages saves of one engine whose host store is ``host_buffers`` (its tensors are aliased)."""
+    """Stages saves of one engine whose host store is ``host_buffers``."""
 
     def __init__(self, host_buffers):
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
+        self._pool = None  # the copy threads, made at the first save that copies aside
+        self._last_copied = False
+        self._reset()
+
+    def _reset(self):
+        self._regions = Regions()
+        self._views = {}  # (start, nbytes) -> the alias made for it (one per range: written once)
 
     def snapshot(self, obj):
-        """``obj`` as it is now: host-store tensors aliased, every other tensor and object copied."""
+        """``obj`` as it is now: host-store tensors copied aside or aliased (module docstring), every
+        other tensor and object copied."""
         if torch.is_tensor(obj):
             if obj.device.type == "cpu" and obj.untyped_storage().data_ptr() in self._host_storages:
-                # By reference, through a new alias: the step rebinds the original's .data to a
-                # staging slot, the alias keeps pointing at the host slice that the guard protects.
-                alias = obj.detach()
+                alias = self._from_store(obj.detach())
             else:
                 alias = obj.detach().to("cpu", copy=True)
             if obj.requires_grad:
@@ -103,12 +172,40 @@ class HostStoreStager:
             return type(obj)(self.snapshot(v) for v in obj)
         return copy.deepcopy(obj)
 
+    def _from_store(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-store tensor (contiguous), staged as an alias through a storage of exactly its bytes
+        (the step rebinds the original's ``.data`` to the device; the alias keeps pointing at the host
+        slice the guard protects). ``stage`` may give it a copy of its own afterwards."""
+        start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        alias = self._views.get((start, nbytes))
+        if alias is None or alias.shape != t.shape:
+            self._regions.add(start, nbytes)
+            offset = t.storage_offset() * t.element_size()
+            alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[offset:offset + nbytes], 0, t.shape)
+            self._views[(start, nbytes)] = alias
+        return alias
+
+    def _copy_aside(self):
+        """Give every alias a tensor of its own, filled by the copy threads in the store's order; the
+        futures of the copies."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="deepspeed-offload-ckpt-copy")
+        regions, futures = self._regions, []
+        for (start, nbytes), alias in sorted(self._views.items()):
+            src = alias.detach()  # the store's bytes
+            alias.data = torch.empty_like(src)
+            futures.append(self._pool.submit(_copy, regions, start, nbytes, src, alias.data))
+        return futures
+
     def stage(self, engine, deepspeed_save: Callable, save_dir, tag, staging, client_state,
-              exclude_frozen_parameters) -> Tuple[StagedFiles, List[Tuple[Callable, str]], bool]:
+              exclude_frozen_parameters, copy_aside: Optional[bool] = None
+              ) -> Tuple[StagedFiles, List[Tuple[Callable, str]], bool]:
         """DeepSpeed's own save (``deepspeed_save``) with ``engine``'s checkpoint engine swapped for
         ``Capture`` and its copy of zero_to_fp32.py deferred to the writer. Returns the staged files
         (their paths moved into ``staging``), the deferred script copies as (copy, save_dir), and
-        the checkpoint engine's serialization format (zipfile or not)."""
+        the checkpoint engine's serialization format (zipfile or not). The copies aside, where the
+        node has the memory for them (``copy_aside`` None) or where asked, run in the background from here."""
+        self._reset()
         capture = Capture(engine.checkpoint_engine, self.snapshot)
         scripts = []
         swap = PatchRegistry("deepspeed-offload checkpoint capture")  # for the length of this save only
@@ -129,4 +226,24 @@ class HostStoreStager:
                 raise CheckpointWriteError(f"DeepSpeed saves {path} outside the tag directory {tag_dir}: an "
                                            "asynchronous checkpoint cannot write it atomically")
             files.append((os.path.join(staging, rel), obj))
-        return StagedFiles(files), scripts, getattr(capture._inner, "zipfile_serialization", True)
+        nbytes = sum(n for _, n in self._views)
+        fits = nbytes <= HostMemory.read().usable if copy_aside is None else copy_aside
+        self._last_copied = bool(nbytes) and fits
+        staged = StagedFiles(files, self._regions, self._copy_aside() if self._last_copied else ())
+        self._reset()
+        return staged, scripts, getattr(capture._inner, "zipfile_serialization", True)
+
+    @property
+    def copies_aside(self) -> bool:
+        """Whether the last save copied the host store's tensors aside (else: written from the store)."""
+        return self._last_copied
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _copy(regions: Regions, start: int, nbytes: int, src: torch.Tensor, dst: torch.Tensor):
+    dst.copy_(src)
+    regions.done(start, nbytes)

@@ -3,9 +3,10 @@
 ``write_async`` starts the writer thread and returns a ``concurrent.futures.Future`` (as
 torch.distributed.checkpoint's async executor does): its result is the seconds the write and the
 commit took on rank 0 (None on other ranks), its exception the ``CheckpointWriteError`` saying what
-failed. The writer serializes each staged file into ``<file>.tmp`` (hashing as it writes), then
-releases the staged tensors, so the host store may be overwritten; it goes on to fsync and rename
-the files and to write this rank's marker; rank 0 then commits (commit.py). A rank whose write
+failed. The writer waits for the copies aside (staging.py), serializes each staged file into
+``<file>.tmp`` (each host-store tensor it writes from the store is free to change once written:
+``Regions``), releases the staged tensors, then hashes the files from the page cache (off the step's
+way), fsyncs and renames them and writes this rank's marker; rank 0 then commits (commit.py). A rank whose write
 fails removes its own ``.tmp`` files, leaves the cause in its ``.failed`` file and removes its
 heartbeat, so rank 0 stops waiting for it at once. The thread is not a daemon: the interpreter
 waits for it at exit.
@@ -23,7 +24,7 @@ from deepspeed.utils import log_dist
 
 from .commit import commit
 from .errors import CheckpointWriteError, describe_os_error
-from .files import DIGEST, atomic_write, fsync_dir, publish, read_text, remove, serialize
+from .files import DIGEST, atomic_write, file_digest, fsync_dir, publish, read_text, remove, serialize
 from .names import FAILED, MARKER, staging_dir
 from .options import NO_FAULTS, Faults, Settings
 from .staging import StagedFiles
@@ -119,18 +120,21 @@ def _write_files(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, faults
     failed = False
     try:
         try:
+            staged.wait_copied()
             for path, obj in staged.files:
                 where = path
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 if faults.before_file is not None:
                     faults.before_file(path)
-                written[os.path.relpath(path, job.staging)] = serialize(path, obj, job.zipfile)
+                written[os.path.relpath(path, job.staging)] = {"bytes": serialize(path, obj, job.zipfile,
+                                                                                  staged.regions.done)}
         finally:
             # Serialized (or failed): the host store is no longer read, the step may overwrite it.
             obj = None  # noqa: F841 - no reference to the last snapshot either
             staged.release()
-        for name in written:
+        for name, record in written.items():
             where = os.path.join(job.staging, name)
+            record[DIGEST] = file_digest(f"{where}.tmp")  # from the page cache, after the release
             publish(where, faults.before_file)
         fsync_dir(job.staging)
         where = os.path.join(job.staging, MARKER.format(job.rank))
