@@ -65,6 +65,10 @@ class CompileMode(StreamMode):
     the next forward's head writes back what the step left in buffers of its own."""
 
     def __init__(self, engine, cfg, placement=None, probe=None, is_profiling=_deepcompile_is_profiling):
+        if placement is None:  # built directly: capacity-first, nothing resident at attach
+            from ..runtime.layout import probe_layout
+            probe = probe or probe_layout(engine.optimizer)
+            placement = Placement.without_agreement(cfg, probe, resident_budget=False)
         super().__init__(engine, cfg, placement, probe, early_in_backward=False, defer_write_back=True)
         self.is_profiling = is_profiling
         self.counters: Dict[str, int] = dict(launches=0, reloads=0, empty_cache=0, syncs=0, bytes_offloaded=0,
@@ -97,9 +101,6 @@ class CompileMode(StreamMode):
         """Reloaded sub-groups that stay on the device between steps (this phase): the timing
         policy's, which prefetch leaves alone and the step loads into buffers of their own."""
         return self.timing.kept
-
-    def _placement_without_agreement(self):
-        return Placement(resident=0, twins_budget=0, host_first=False, store_cap=self.probe.total)
 
     def planner_budget_bytes(self) -> int:
         return self._planner_budget

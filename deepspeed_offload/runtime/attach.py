@@ -71,6 +71,16 @@ class Placement:
     store_cap: int  # what this rank's store may take
     min_device_total: int = 0  # the smallest device among the ranks (compile mode's planner budget)
 
+    @classmethod
+    def without_agreement(cls, cfg, probe: Probe, resident_budget: bool = True) -> "Placement":
+        """A mode built directly, as tests do: ``memory_budget_gb``'s sub-groups resident (with
+        ``resident_budget``; compile mode: none), no second regions but those ``speculate_memory_gb``
+        asks for."""
+        gb = cfg.memory_budget_gb if resident_budget else None
+        resident = probe.fitting(int(gb * 2**30)) if gb is not None else 0
+        return cls(resident=resident, twins_budget=int((cfg.speculate_memory_gb or 0) * 2**30), host_first=False,
+                   store_cap=probe.total - probe.resident_bytes(resident))
+
 
 def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], object]):
     """Attach ``build``'s mode to ``engine`` on every rank, or on none."""

@@ -32,6 +32,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from deepspeed.utils import log_dist
+
 from ..errors import BLOCK, ConfigError
 from ..estimate import STATE_BYTES_PER_PARAM
 from ..host_memory import HostMemory, format_bytes
@@ -197,6 +199,7 @@ class MeasuredPlan:
     promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
     measured_peak: Optional[int] = None  # the last measurement's reserved peak
     iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
+    _measurements_seen: int = 0
 
     def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
                           resident_bytes: int = 0) -> Tuple[List[int], List[int]]:
@@ -217,6 +220,36 @@ class MeasuredPlan:
             held += nbytes(i)
         self.promoted += out
         return out, []
+
+    def between_steps(self, mode) -> Optional[int]:
+        """After a step of ``mode`` (stream mode): read a new measurement, or the memory the iteration
+        reserved, and return how many of the first sub-groups should be resident from now on (None:
+        as they are). Giving state back empties the device's cache and asks for a measurement."""
+        probe, resident = mode.probe, len(mode.resident)
+        measured = mode.timing.measurements > self._measurements_seen
+        if measured:
+            self._measurements_seen = mode.timing.measurements
+            promote, give_back = self.after_measurement(mode.timing.peak_reserved, mode.order, probe.nbytes,
+                                                        probe.resident_bytes(resident))
+        else:
+            promote, give_back = [], self.after_step(mode.acc.memory_reserved(), probe.nbytes)
+        if give_back:
+            mode.acc.empty_cache()  # what goes back is the device's again
+            mode.timing.remeasure()
+        if measured or give_back:
+            self._log(mode, resident + len(promote) - len(give_back))
+        return resident + len(promote) - len(give_back) if promote or give_back else None
+
+    def _log(self, mode, resident: int):
+        limit = "max_device_memory_gb" if mode.cfg.max_device_memory_gb is not None else \
+            "what this process could have of the device"
+        streamed = mode.probe.total - mode.probe.resident_bytes(resident)
+        log_dist(f"[deepspeed-offload] measured plan: {format_bytes(mode.probe.resident_bytes(resident))} of "
+                 f"optimizer state resident ({resident} sub-groups, {len(self.promoted)} of them since the "
+                 f"measurement), {format_bytes(streamed)} streamed; the measured iteration's peak: "
+                 f"{format_bytes(self.measured_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
+                 f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f}); "
+                 f"limit {format_bytes(self.limit)} ({limit}) less a margin of {format_bytes(self.margin)}", ranks=[0])
 
     def after_step(self, reserved: int, nbytes: Callable[[int], int]) -> List[int]:
         """An iteration ended with ``reserved`` bytes reserved: when that came within half the margin of

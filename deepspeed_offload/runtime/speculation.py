@@ -33,7 +33,6 @@ installed by the stream mode's patch registry.
 """
 
 import logging
-from dataclasses import asdict, dataclass, field
 from typing import Dict, List
 
 import torch
@@ -42,65 +41,9 @@ from deepspeed.utils import log_dist
 from ..host_memory import format_bytes
 from .copies import JOINED
 from .host_store import MASTER
-
-# Rollbacks that say the next step may roll back too (the norm clips, fp16 overflows, the loss scale
-# or the hyper-parameters move between backward and step): each one in a row doubles the number of
-# boundary backwards that do not speculate after it, up to MAX_BACKOFF; a commit resets it.
-BACKS_OFF = ("clipped", "overflow", "loss scale", "hyper-parameters")
-MAX_BACKOFF = 64
-
-
-@dataclass
-class Speculated:
-    """An update computed in backward, waiting for the norm."""
-    state_after: Dict[str, object]  # the optimizer's own small state of the master after the update
-    group_after: Dict[str, object]  # its param group's entries after the update
-    group_before: Dict[str, object]  # ... and before (a change by the step's time voids the update)
-    loss_scale: float  # the one the update used
-    lp: torch.Tensor  # the 16-bit cast of the updated master, on the device (made on the side stream)
-
-
-@dataclass
-class Counters:
-    """Since attach: sub-groups updated in backward, committed, discarded; steps that committed or
-    rolled back, and why (``reasons``: rollbacks by reason, and single sub-groups discarded for
-    ``"gradient changed"``)."""
-    speculated: int = 0
-    committed: int = 0
-    discarded: int = 0
-    commit_steps: int = 0
-    rollback_steps: int = 0
-    reasons: Dict[str, int] = field(default_factory=dict)
-    backed_off: int = 0  # boundary backwards that did not speculate (``Backoff``)
-
-    def as_dict(self):
-        return asdict(self)
-
-
-@dataclass
-class Backoff:
-    """Where rollbacks repeat (clipping fires every step), speculating costs a step that reloads
-    everything it wrote back in backward. After ``n`` rollbacks in a row, the next
-    ``min(2**(n-1), limit)`` boundary backwards run today's path; then one speculates again (at
-    the limit, one boundary backward in ``limit + 1``)."""
-    limit: int = MAX_BACKOFF  # (0: speculate at every step, whatever happened before)
-    skip_next: int = 0  # boundary backwards left that do not speculate
-    length: int = 0  # the skip after the last rollback
-
-    def rolled_back(self):
-        self.length = min(max(1, 2 * self.length), self.limit)
-        self.skip_next = self.length
-
-    def committed(self):
-        self.length = self.skip_next = 0
-
-    def skips(self) -> bool:
-        """Whether this boundary backward does not speculate (counts it down)."""
-        if self.skip_next:
-            self.skip_next -= 1
-            return True
-        return False
-
+from .layout import fitting_prefix
+from .speculated import (BACKS_OFF, Backoff, Counters, Speculated, group_entries, on_device, restore_group,
+                         restore_state, same_entries, small_state)
 
 class Speculation:
 
@@ -226,7 +169,7 @@ class Speculation:
         lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
         # A device tensor among Adam's small state or the group's entries (a capturable step, a
         # tensor learning rate) may have been written on the compute stream: the snapshot waits.
-        queued = mode.copies.mark() if _on_device(state, group) else None
+        queued = mode.copies.mark() if on_device(state, group) else None
         state_before = group_before = None
         cast = {}
         try:
@@ -244,7 +187,7 @@ class Speculation:
                     mode.copies.compute_waits(grad_ready)  # the compute stream's last use of the blocks
                     mode.copies.compute_waits(cast_ready)
                     mode.copies.compute_waits(queued)
-                    state_before, group_before = _small_state(state, store.slices[i]), _group_entries(group)
+                    state_before, group_before = small_state(state, store.slices[i]), group_entries(group)
                     mode.tensors.point_at(i, lambda key: table.view(i, key))
                     master.grad = self._fp32_grad(i, grad)
                     # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale,
@@ -253,7 +196,7 @@ class Speculation:
                     opt._optimizer_step(i)
                     master.grad = None
                     lp.copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
-                    state_after, group_after = _small_state(state, store.slices[i]), _group_entries(group)
+                    state_after, group_after = small_state(state, store.slices[i]), group_entries(group)
                     table.mark_updated(i)
             except BaseException:
                 if table[i].on_device:
@@ -263,8 +206,8 @@ class Speculation:
                 master.grad = None
                 if state_before is not None:
                     with mode.copies.side():
-                        _restore_state(state, state_before)
-                        _restore_group(group, group_before)
+                        restore_state(state, state_before)
+                        restore_group(group, group_before)
                 mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
             nbytes, span = table.write_back(i, other=True)
         except BaseException:
@@ -324,7 +267,7 @@ class Speculation:
         why, scale = None, float(opt.loss_scale)
         if any(s.loss_scale != scale for s in self.updated.values()):
             why = "loss scale"
-        elif not all(_same_entries(_group_entries(self.base.param_groups[opt.sub_group_to_group_id[i]]),
+        elif not all(same_entries(group_entries(self.base.param_groups[opt.sub_group_to_group_id[i]]),
                                    s.group_before) for i, s in self.updated.items()):
             why = "hyper-parameters"
         elif opt.clip_grad > 0 and not self.force_commit:
@@ -348,8 +291,8 @@ class Speculation:
         mode.store.flip(i)
         mode.tensors.point_at(i, lambda key: mode.store.view(i, key))
         master = opt.fp32_partitioned_groups_flat[i]
-        _restore_state(self.base.state[master], spec.state_after)
-        _restore_group(self.base.param_groups[opt.sub_group_to_group_id[i]], spec.group_after)
+        restore_state(self.base.state[master], spec.state_after)
+        restore_group(self.base.param_groups[opt.sub_group_to_group_id[i]], spec.group_after)
         opt.averaged_gradients[i] = None  # as _prepare_fp32_grad_for_sub_group leaves it
         self.committing[i] = spec.lp
         self.counters.committed += 1
@@ -443,37 +386,19 @@ class Speculation:
                      "hidden_size**2) lets them start sooner", ranks=[0], level=logging.WARNING)
 
 
-def _on_device(state: dict, group: dict) -> bool:
-    """A tensor off the CPU among the optimizer's state entries or the group's (but ``params``)."""
-    return any(torch.is_tensor(v) and v.device.type != "cpu"
-               for v in [*state.values(), *(v for k, v in group.items() if k != "params")])
-
-
-def _small_state(state: dict, stored) -> Dict[str, object]:
-    """The optimizer's state entries the host store does not hold (Adam's ``step``), copied."""
-    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items() if k not in stored}
-
-
-def _restore_state(state: dict, saved: Dict[str, object]):
-    for k, v in saved.items():
-        if torch.is_tensor(v) and torch.is_tensor(state.get(k)) and state[k].shape == v.shape:
-            state[k].copy_(v)  # the optimizer's own tensor object, its value put back
-        else:
-            state[k] = v.clone() if torch.is_tensor(v) else v
-
-
-def _group_entries(group: dict) -> Dict[str, object]:
-    return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in group.items() if k != "params"}
-
-
-def _same_entries(a: Dict[str, object], b: Dict[str, object]) -> bool:
-    """The same hyper-parameters (a learning rate may be a tensor)."""
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) and torch.is_tensor(b[k]) else
-        (not torch.is_tensor(a[k]) and not torch.is_tensor(b[k]) and a[k] == b[k]) for k in a)
-
-
-def _restore_group(group: dict, saved: Dict[str, object]):
-    for k in [k for k in group if k != "params" and k not in saved]:
-        del group[k]
-    _restore_state(group, saved)
+def choose_members(mode, early_in_backward: bool, budget: int) -> List[int]:
+    """The sub-groups of stream mode ``mode`` that speculate: the last ones (their gradients are final
+    first) whose second regions fit ``budget`` bytes. None where nothing loads in backward or the
+    16-bit partition is the master itself (fp32)."""
+    cfg, opt = mode.cfg, mode.opt
+    if cfg.speculate_memory_gb == 0 or not (cfg.overlap and early_in_backward) or not mode.order:
+        return []
+    if any(opt.fp16_partitioned_groups_flat[i].dtype == opt.fp32_partitioned_groups_flat[i].dtype for i in mode.order):
+        log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
+        return []
+    members = fitting_prefix(sorted(mode.order, reverse=True), mode.layout.nbytes.__getitem__, budget)
+    if not members:
+        log_dist(f"[deepspeed-offload] speculation off: no host memory is spare for its second regions "
+                 f"({format_bytes(budget)} per rank after the stores; the node's line says what it can give)",
+                 ranks=[0])
+    return members

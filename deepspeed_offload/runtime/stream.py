@@ -29,15 +29,11 @@ One iteration, with ``overlap`` on (the default)::
     after:      ``between_steps``: the measured plan may keep more sub-groups resident (``_place``).
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups into
-the two slots. The DeepSpeed tensor objects never change: ``fp32_partitioned_groups_flat[i]`` (the
-key of ``optimizer.state``) and each state tensor get their ``.data`` pointed at the device buffers
-for the update and back at their host slice afterwards. Nothing in the loop synchronizes the device;
-a load waits for the sub-group's previous write-back, and anything on the CPU that reads host state
-(a checkpoint, ``safe_get_full_*``) waits for every write-back first (``synchronize_for_checkpoint``).
-State the optimizer creates lazily (Adam's moments at step 1) is made by the optimizer on the device
-for the one sub-group being updated, copied into its buffers and written back with it.
-
-Attach is one transaction (``attach.py``): a failure while this class is built undoes what it did.
+the two slots. DeepSpeed's tensor objects never change; only their ``.data`` moves (state_tensors.py).
+Nothing in the loop synchronizes the device; a load waits for the sub-group's previous write-back,
+and anything on the CPU that reads host state (a checkpoint, ``safe_get_full_*``) waits for every
+write-back first (``synchronize_for_checkpoint``). Attach is one transaction (``attach.py``): a
+failure while this class is built undoes what it did.
 """
 
 import time
@@ -55,12 +51,12 @@ from .checkpoint import AsyncCheckpointer
 from .colocation import StateOffload
 from .copies import make_copies
 from .host_store import HostStore
-from .layout import Probe, fitting_prefix, probe_layout
+from .layout import Probe, probe_layout
 from .load_timing import LoadTiming
 from .patches import PatchRegistry
 from .placement import MeasuredPlan, device_limit, margin_bytes
 from .residency import Phase, ResidencyTable
-from .speculation import Speculation
+from .speculation import Speculation, choose_members
 from .state_tensors import StateTensors
 from .step_stats import StepStats
 
@@ -80,7 +76,7 @@ class StreamMode:
         self.acc = get_accelerator()
         self.copies = make_copies(self.acc)
         self.probe = probe if probe is not None else probe_layout(self.opt)
-        placement = placement if placement is not None else self._placement_without_agreement()
+        placement = placement if placement is not None else Placement.without_agreement(cfg, self.probe)
         self.layout = self.probe.split(placement.resident)
         self.order, self.resident, self.slot_bytes = self.layout.order, self.layout.resident, self.layout.slot_bytes
         self.defer_write_back = defer_write_back
@@ -115,7 +111,7 @@ class StreamMode:
 
     def _build(self, placement: Placement, early_in_backward: bool):
         cfg = self.cfg
-        members = self._speculation_members(early_in_backward, placement.twins_budget)
+        members = choose_members(self, early_in_backward, placement.twins_budget)
         self.store = HostStore(self.layout.entries, cfg.pin_memory, twins=members, check_host=False)
         fault_point("pinning")
         self.table = ResidencyTable(self.store, self.copies, self.order, self.layout.slot_numel)
@@ -128,7 +124,6 @@ class StreamMode:
             limit = device_limit(self.acc, cfg.max_device_memory_gb)
             self.plan = MeasuredPlan(limit=limit, margin=margin_bytes(limit))
             self.timing.measure_always = True
-        self._measurements_seen = 0
         self.tensors = StateTensors(self.opt, self.store, self.order)
         self.speculation = Speculation(self, members) if members else None
         self.colocation = StateOffload(self)
@@ -154,15 +149,6 @@ class StreamMode:
         if self.store is not None and getattr(self, "tensors", None) is not None:
             self.tensors.back_to_device(self.acc.current_device_name())
 
-    def _placement_without_agreement(self) -> Placement:
-        """Without attach's agreement (a mode built directly, as tests do): ``memory_budget_gb``'s
-        sub-groups resident, or none; no second regions but those ``speculate_memory_gb`` asks for."""
-        gb = self.cfg.memory_budget_gb
-        resident = self.probe.fitting(int(gb * 2**30)) if gb is not None else 0
-        twins = int((self.cfg.speculate_memory_gb or 0) * 2**30)
-        return Placement(resident=resident, twins_budget=twins, host_first=False,
-                         store_cap=self.probe.total - self.probe.resident_bytes(resident))
-
     @property
     def overlap(self) -> bool:
         return self.timing.early_in_backward
@@ -170,23 +156,6 @@ class StreamMode:
     @property
     def in_step(self) -> bool:
         return self._in_step
-
-    def _speculation_members(self, early_in_backward: bool, budget: int) -> List[int]:
-        """The sub-groups that speculate (``speculation.py``): the last ones (their gradients are final
-        first) whose second regions fit ``budget``. None where nothing loads in backward or the 16-bit
-        partition is the master itself (fp32)."""
-        if self.cfg.speculate_memory_gb == 0 or not (self.cfg.overlap and early_in_backward) or not self.order:
-            return []
-        if any(self.opt.fp16_partitioned_groups_flat[i].dtype == self.opt.fp32_partitioned_groups_flat[i].dtype
-               for i in self.order):
-            log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
-            return []
-        members = fitting_prefix(sorted(self.order, reverse=True), self.layout.nbytes.__getitem__, budget)
-        if not members:
-            log_dist(f"[deepspeed-offload] speculation off: no host memory is spare for its second regions "
-                     f"({format_bytes(budget)} per rank after the stores; the node's line says what it can give)",
-                     ranks=[0])
-        return members
 
     def detach(self):
         """Undo attach: write everything back, point the optimizer's tensors at device copies of
@@ -407,36 +376,11 @@ class StreamMode:
     # ------------------------------------------------------------------ between steps
 
     def between_steps(self):
-        """After a step that ran: the measured plan reads a new measurement, or the iteration's reserved
-        memory, and may change what stays resident (``_place``)."""
-        if self.plan is None:
-            return
-        measured = self.timing.measurements > self._measurements_seen
-        if measured:
-            self._measurements_seen = self.timing.measurements
-            promote, give_back = self.plan.after_measurement(self.timing.peak_reserved, self.order, self.probe.nbytes,
-                                                             self.probe.resident_bytes(len(self.resident)))
-        else:
-            promote, give_back = [], self.plan.after_step(self.acc.memory_reserved(), self.probe.nbytes)
-        if promote or give_back:
-            self._place(len(self.resident) + len(promote) - len(give_back))
-        if give_back:
-            self.acc.empty_cache()  # what went back is the device's again
-            self.timing.remeasure()
-        if measured or give_back:
-            self._log_plan()
-
-    def _log_plan(self):
-        plan = self.plan
-        limit = "max_device_memory_gb" if self.cfg.max_device_memory_gb is not None else \
-            "what this process could have of the device"
-        log_dist(f"[deepspeed-offload] measured plan: {format_bytes(self.probe.resident_bytes(len(self.resident)))} "
-                 f"of optimizer state resident ({len(self.resident)} sub-groups, {len(plan.promoted)} of them "
-                 f"since the measurement), {format_bytes(sum(self.layout.nbytes.values()))} streamed "
-                 f"({len(self.order)}); the measured iteration's peak: {format_bytes(plan.measured_peak or 0)} "
-                 f"reserved, {format_bytes(plan.iteration or 0)} of it besides the state (deepspeed-offload estimate "
-                 f"--iteration-memory-gb {(plan.iteration or 0) / 2**30:.1f}); limit {format_bytes(plan.limit)} "
-                 f"({limit}) less a margin of {format_bytes(plan.margin)}", ranks=[0])
+        """After a step that ran: the measured plan may change what stays resident (``_place``)."""
+        if self.plan is not None:
+            k = self.plan.between_steps(self)
+            if k is not None:
+                self._place(k)
 
     def _place(self, k: int):
         """From the next step on, the first ``k`` sub-groups keep their state on the device and the rest

@@ -94,12 +94,17 @@ def test_compile_on_old_torch(monkeypatch):
 
 
 def test_host_memory_too_small(tmp_path, capsys, fake_host):
+    """With everything offloaded (memory_budget_gb 0) the store must fit the host; with the budget
+    derived (the default) the host takes what it can and the GPU keeps the rest."""
     fake_host(total=16 * 2**30, available=10 * 2**30)  # 8 GiB usable
-    assert check(tmp_path, GOOD, "--params", str(10**9)) == 2  # 12 GB of state on 8 GiB
+    all_out = dict(GOOD, optimizer_state_offload=dict(GOOD["optimizer_state_offload"], memory_budget_gb=0))
+    assert check(tmp_path, all_out, "--params", str(10**9)) == 2  # 12 GB of state on 8 GiB
     err = capsys.readouterr().err
     assert "need 11.18 GiB" in err and "can give 8.00 GiB" in err and "memory_budget_gb" in err
-    assert check(tmp_path, GOOD, "--params", str(10**9), "--world-size", "2") == 0  # 5.59 GiB per rank fits
-    assert "host memory 5.59 GiB per rank" in capsys.readouterr().out
+    assert check(tmp_path, all_out, "--params", str(10**9), "--world-size", "2") == 0  # 5.59 GiB per rank fits
+    assert "store 5.59 GiB per rank" in capsys.readouterr().out
+    assert check(tmp_path, GOOD, "--params", str(10**9)) == 0
+    assert "store 8.00 GiB per rank, 3.18 GiB of each rank's state stays on the GPU" in capsys.readouterr().out
 
 
 def test_invalid_json_names_line_and_column(tmp_path, capsys):

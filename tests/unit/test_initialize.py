@@ -43,6 +43,8 @@ def spies(monkeypatch):
 BAD = {"zero_optimization": {"stage": 2}, "optimizer_state_offload": {"enabled": True}}
 ON = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
       "optimizer_state_offload": {"enabled": True}}
+# everything offloaded: the stores must fit the host (with the budget derived the GPU keeps what it cannot hold)
+ALL_OUT = dict(ON, optimizer_state_offload={"enabled": True, "memory_budget_gb": 0})
 
 
 def test_failed_validation_leaves_nothing_behind(spies, tmp_path):
@@ -129,7 +131,7 @@ def test_host_memory_is_checked_before_deepspeed_runs(spies, monkeypatch, fake_h
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     model = torch.nn.Linear(100, 10)  # 1010 parameters: 505 per rank, 6060 bytes, 2 ranks here: 12120
     with pytest.raises(ConfigError, match=r"2 rank\(s\) on this node need 11\.84 KiB .* can give 10\.00 KiB"):
-        deepspeed_offload.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ON)
+        deepspeed_offload.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ALL_OUT)
     assert spies == []
 
 
@@ -212,9 +214,9 @@ def test_engines_without_optimizer_state_are_left_alone(monkeypatch):
 def test_no_optimizer_skips_the_host_memory_check(spies, fake_host):
     fake_host(total=16 * 2**30, available=2**30)
     model = torch.nn.Linear(100, 10)
-    deepspeed_offload.initialize(model=model, config=ON)  # inference engine: no store will be built
+    deepspeed_offload.initialize(model=model, config=ALL_OUT)  # inference engine: no store will be built
     with pytest.raises(ConfigError, match="can give 0 B"):
-        deepspeed_offload.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ON)
+        deepspeed_offload.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ALL_OUT)
 
 
 class _Checkpointer:
