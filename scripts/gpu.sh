@@ -12,6 +12,10 @@
 #                                          a full bench runs longer than one device call may)
 #   bash scripts/gpu.sh bench-wait SECS    wait up to SECS for it, then copy its results to $OUT
 #   bash scripts/gpu.sh run CMD [ARGS]     any command with the wheels installed and the JIT ops built
+#   bash scripts/gpu.sh queue FILE         the jobs of FILE (one `gpu.sh` command line each: tests, bench,
+#                                          run ...) one after another in a session of their own, each with
+#                                          its own output folder under /tmp/gpu_queue (it outlives this call)
+#   bash scripts/gpu.sh queue-wait SECS    wait up to SECS for the queue, then copy what it wrote to $OUT
 # bench and bench-bg start afresh unless ARGS hold --resume (then the modes the last bench.json of this
 # machine measured with the same arguments are kept; results are written after every mode), or begin
 # with --resume-from FILE: a bench.json brought back from an earlier machine (copy it into the repo
@@ -97,6 +101,31 @@ bench-bg)
 run)
     build_ops
     "$@" ;;
+queue)
+    build_ops
+    Q=/tmp/gpu_queue
+    rm -rf "$Q"; mkdir -p "$Q"
+    cp "$1" "$Q/jobs"
+    # each job: its own OUT and BENCH_DIR, its exit status and time in the queue's log
+    setsid nohup bash -c '
+        k=0
+        while IFS= read -r job; do
+            [ -z "$job" ] && continue
+            k=$((k + 1)); d='"$Q"'/job$k; mkdir -p "$d"
+            echo "$(date +%T) start job$k: $job" >> '"$Q"'/queue.log
+            t=$SECONDS
+            OUT="$d" BENCH_DIR="$d/bench" bash scripts/gpu.sh $job > "$d/log" 2>&1
+            echo "$(date +%T) end job$k: rc $? in $((SECONDS - t)) s" >> '"$Q"'/queue.log
+        done < '"$Q"'/jobs
+        echo done >> '"$Q"'/queue.log' > /dev/null 2>&1 < /dev/null &
+    echo "queue started: $(grep -c . "$Q/jobs") job(s)" ;;
+queue-wait)
+    Q=/tmp/gpu_queue
+    end=$((SECONDS + ${1:-560}))
+    while ! grep -qx done "$Q/queue.log" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+    cat "$Q/queue.log"
+    tar czf "$OUT/queue.tgz" -C "$Q" . 2>/dev/null
+    ls -la "$OUT" ;;
 bench-wait)
     end=$((SECONDS + ${1:-560}))
     while pgrep -f "deepspeed_offload.bench --out $BG" >/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
