@@ -137,7 +137,8 @@ def plan_record(handle):
            "streamed_GiB": gib(sum(handle.layout.nbytes.values())), "streamed_sub_groups": len(handle.order),
            "measurements": handle.timing.measurements, "divergences": handle.timing.divergences}
     if plan is not None:
-        out.update(promoted=len(plan.promoted), measured_peak_reserved_GiB=gib(plan.measured_peak),
+        out.update(promoted=len(plan.promoted), give_backs=plan.give_backs,
+                   measured_peak_reserved_GiB=gib(plan.measured_peak),
                    iteration_GiB=gib(plan.iteration), limit_GiB=gib(plan.limit), margin_GiB=gib(plan.margin))
     return out
 

@@ -22,7 +22,9 @@ resident as many more of the streamed sub-groups as fit below the device limit (
 or what this process can have of the device) less ``MARGIN``. Early loads, speculation's updates
 and the staging slots were in that peak; each sub-group made resident adds its bytes to it. When an
 iteration later reserves more than the limit less half the margin (the shapes grew: a longer
-sequence), the plan gives back what it made resident, as much as the excess, and asks for a new
+sequence; or the allocator reserved more around the resident state than its bytes), the plan gives
+back what it made resident, as much as the excess and half the margin, widens its margin by what it
+missed (so that the next measurement does not make the same state resident again) and asks for a new
 measurement. An iteration that grows by more than the margin at once runs out of device memory
 before anything can react: set ``max_device_memory_gb`` below the device, or run the largest shape
 in the first two iterations.
@@ -199,6 +201,7 @@ class MeasuredPlan:
     promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
     measured_peak: Optional[int] = None  # the last measurement's reserved peak
     iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
+    give_backs: int = 0  # iterations after which state went back to the host
     _measurements_seen: int = 0
 
     def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
@@ -253,9 +256,15 @@ class MeasuredPlan:
 
     def after_step(self, reserved: int, nbytes: Callable[[int], int]) -> List[int]:
         """An iteration ended with ``reserved`` bytes reserved: when that came within half the margin of
-        the limit (it grew), the sub-groups to give back, enough to restore the whole margin."""
+        the limit (it grew, or the allocator reserved more around the resident state than its bytes),
+        the sub-groups to give back, enough to restore the whole margin; and the margin grows by what
+        was reserved beyond the plan, so that the next measurement does not make them resident again."""
         excess = reserved - (self.limit - self.margin // 2)
-        return self._give_back(excess + self.margin // 2, nbytes) if excess > 0 else []
+        if excess <= 0:
+            return []
+        self.give_backs += 1
+        self.margin = min(self.margin + excess + self.margin // 2, self.limit // 4)
+        return self._give_back(excess + self.margin // 2, nbytes)
 
     def _give_back(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
         out, freed = [], 0

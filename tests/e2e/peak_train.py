@@ -35,7 +35,7 @@ class Blocks(torch.nn.Module):
 
 def run(spec, offload):
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "gradient_clipping": spec.get("clip", 1.0),
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
            "optimizer_state_offload": offload}

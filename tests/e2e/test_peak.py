@@ -54,7 +54,8 @@ def test_speculation_keeps_the_reserved_peak(tmp_path):
     """Default allocator settings, DeepSpeed's default reduce buckets (updates late in backward, many at
     once): the speculating path against the same path without speculation."""
     block = {"enabled": True, "mode": "stream", "sub_group_mb": 64, "memory_budget_gb": 0}
-    plain, spec = _runs(tmp_path, "reserved", SPEC, [dict(block, speculate_memory_gb=0), block])
+    spec_ = dict(SPEC, clip=1e9)  # clipping that never fires: the updates are committed
+    plain, spec = _runs(tmp_path, "reserved", spec_, [dict(block, speculate_memory_gb=0), block])
     assert spec["speculation"]["committed"] > 0, spec["speculation"]
     steady = slice(3, None)
     gib = 2**30
@@ -77,7 +78,8 @@ def test_the_measured_plan_keeps_what_fits_and_gives_back_when_the_shapes_grow(t
     run, = _runs(tmp_path, "grow", spec, [block])
     resident = run["resident"]
     print(f"resident sub-groups per step: {resident}; reserved GiB: {[round(r / 2**30, 2) for r in run['reserved']]}")
-    assert resident[0] == resident[1] == 0 and max(resident[2:6]) > 0, resident  # kept after the measurement
+    # (recorded after each step: the plan acts right after the second, the measured one)
+    assert resident[0] == 0 and max(resident[1:6]) > 0, resident  # kept after the measurement
     assert min(resident[6:]) < max(resident[2:6]), resident  # given back once the shapes grew
     assert run["measurements"] >= 2, run
     assert max(run["reserved"][:6]) <= run["limit"], (run["reserved"], run["limit"])

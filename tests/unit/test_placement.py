@@ -72,7 +72,34 @@ def test_the_measured_plan_keeps_what_fits_and_gives_back_when_an_iteration_grow
     promote, back = plan.after_measurement(80 * GiB, list(range(3, 10)), nbytes)
     assert promote == [3, 4, 5, 6, 7] and back == []  # 55.8 GiB of room: five sub-groups of 10
     assert plan.after_step(130 * GiB, nbytes) == []  # within the margin's half
-    back = plan.after_step(138 * GiB, nbytes)  # 3.9 GiB into the margin: give back the excess and the margin
-    assert back == [7]
-    promote, back = plan.after_measurement(145 * GiB, [7, 8, 9], nbytes)  # measured again: 9.2 GiB over
-    assert promote == [] and back == [6]
+    back = plan.after_step(138 * GiB, nbytes)  # 3.9 GiB into the margin: give back the excess and half the margin
+    assert back == [7] and plan.give_backs == 1 and plan.margin > margin_bytes(140 * GiB)
+    promote, back = plan.after_measurement(145 * GiB, [7, 8, 9], nbytes)  # measured again: over the limit
+    assert promote == [] and back == [6, 5]  # (the margin, widened by the give-back, is kept free too)
+
+
+def test_the_plan_settles_where_the_allocator_reserves_more_than_the_state():
+    """The 13B on one H200 (2026-12-02): measured at 130.6 GiB reserved with 59.7 GiB of state resident
+    after the plan, the allocator reserved 137.2 GiB where the plan expected 134.3: with a fixed margin the
+    plan gave back and took again at every measurement (9 in 13 iterations). It learns from the give-back
+    and settles: the next measurement keeps less, and the iteration after it stays under the threshold."""
+    sub = 470 * 2**20  # a 13B's sub-group (256 MiB of 12-byte state, rounded up to its parameters)
+    nbytes = lambda i: sub  # noqa: E731
+    limit = int(138.42 * GiB)
+    plan = MeasuredPlan(limit=limit, margin=margin_bytes(limit))
+    streamed = list(range(100, 265))
+    overhead = 7 * GiB  # what the allocator reserves beyond the state made resident
+
+    def iteration(peak_without):
+        return peak_without + len(plan.promoted) * sub + overhead
+
+    promote, _ = plan.after_measurement(int(130.59 * GiB), streamed, nbytes)
+    moves = 1
+    for _ in range(12):
+        back = plan.after_step(iteration(int(130.59 * GiB) - overhead), nbytes)
+        if back:
+            moves += 1
+            promote, _ = plan.after_measurement(iteration(int(130.59 * GiB) - overhead) - len(plan.promoted) * sub,
+                                                streamed[len(plan.promoted):], nbytes)
+    assert plan.give_backs <= 2 and moves <= 3, (plan.give_backs, moves)
+    assert iteration(int(130.59 * GiB) - overhead) <= limit - plan.margin // 2
