@@ -375,18 +375,27 @@ def unsupported(spec):
 @contextlib.contextmanager
 def copy_executor(spec):
     """With ``copies``, offload attaches with deferred_copies.py's executor: a copy runs only when
-    something waits for it (the most hostile timing a GPU's copy streams allow)."""
+    something waits for it (the most hostile timing a GPU's copy streams allow), and every buffer
+    handed between streams is checked for the order a GPU would keep (``stream_order.py``; DeepSpeed's
+    own work on the streams declared before the stream mode's hooks go on)."""
     if not spec.get("copies"):
         yield
         return
     from deferred_copies import DeferredCopies
+    from stream_order import declare_deepspeed
     import deepspeed_offload.runtime.stream as stream_mod
-    made = stream_mod.make_copies
+    made, install = stream_mod.make_copies, stream_mod.StreamMode._install_hooks
+
+    def install_hooks(mode):
+        declare_deepspeed(mode)
+        install(mode)
+
     stream_mod.make_copies = lambda acc=None: DeferredCopies(drop_slot_wait=spec["copies"] == "deferred_control")
+    stream_mod.StreamMode._install_hooks = install_hooks
     try:
         yield
     finally:
-        stream_mod.make_copies = made
+        stream_mod.make_copies, stream_mod.StreamMode._install_hooks = made, install
 
 
 def train(spec):
@@ -557,6 +566,10 @@ def train_with(spec):
                             "deferred_copies": getattr(handle.copies, "deferred", None),
                             "joined_allocs": getattr(handle.copies, "joined_allocs", None),
                             "unjoined_drops": getattr(handle.copies, "unjoined_drops", None),
+                            # (stream_order.py) accesses checked, and those a GPU would not keep in order
+                            "ordered_accesses": getattr(handle.copies, "accesses", None),
+                            "violations": getattr(handle.copies, "violations", None),
+                            "first_violations": getattr(handle.copies, "first_violations", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}
     return result

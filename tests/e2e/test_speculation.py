@@ -131,9 +131,13 @@ def test_speculation_parity(case_runs, case):
         # every 16-bit cast and gradient buffer (allocated JOINED, not recorded on the side stream) was
         # dropped only after the compute stream joined the side stream: on a GPU its block is reused at once
         assert deferred["joined_allocs"] > 0 and deferred["unjoined_drops"] == 0, deferred
+        # every buffer handed between the streams (compute, side, copies, DeepSpeed's reduction) in an
+        # order a GPU keeps (stream_order.py)
+        assert deferred["ordered_accesses"] > 0 and deferred["violations"] == 0, deferred["first_violations"]
     if "unjoined_control" in runs:
         unjoined = runs["unjoined_control"]["handle"]
         assert unjoined["speculation"]["committed"] > 0 and unjoined["unjoined_drops"] > 0, unjoined
+        assert unjoined["violations"] > unjoined["unjoined_drops"], unjoined  # the next forward's reads too
     if "control" in runs:
         control = runs["control"]
         assert control["handle"]["speculation"]["committed"] > 0

@@ -123,7 +123,7 @@ def check_case(spec, results):
             assert ours["start"] == 3 and ours["losses"] == plain["losses"][3 * spec.get("gas", 1):]
             assert_bitwise_equal(plain, ours, what=("fp32", "state"))
         elif name == "deferred_control":
-            assert ours["handle"]["deferred_copies"] > 0
+            assert ours["handle"]["deferred_copies"] > 0 and ours["handle"]["violations"] > 0
             with pytest.raises(AssertionError):  # a load that skips its wait reads stale state
                 assert_bitwise_equal(plain, ours)
             continue
@@ -131,6 +131,8 @@ def check_case(spec, results):
             assert_bitwise_equal(plain, ours)
         if name.startswith("deferred"):
             assert ours["handle"]["deferred_copies"] > 0  # copies really waited in their queues
+            # every buffer handed between the streams in an order a GPU keeps (stream_order.py)
+            assert ours["handle"]["violations"] == 0, (name, ours["handle"]["first_violations"])
         if name == "detach":
             d = ours["detach"]
             assert d["handle_gone"] and d["methods_are_class_methods"] and not d["still_instance_attributes"], d
@@ -409,6 +411,7 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     # with the copies as late as a GPU may run them (deferred_copies.py): the ops' waits order them
     assert_bitwise_equal(plain, deferred)
     assert deferred["handle"]["deferred_copies"] > 0
+    assert deferred["handle"]["violations"] == 0, deferred["handle"]["first_violations"]
     handle = ours["handle"]
     order, counters, nbytes = handle["order"], handle["counters"], dict(zip(handle["order"], handle["nbytes"]))
     k = len(order) if spec["compile_ops"]["reload"] == "all" else spec["compile_ops"]["reload"]
