@@ -454,6 +454,24 @@ def train_with(spec):
         # 16-bit casts into DeepSpeed's partitions, and the casts are dropped before the compute
         # stream joined the side stream (step_ends without its join)
         speculation.step_ends = lambda: setattr(speculation, "committing", {})
+    if spec.get("loads_from_hook") is not None and speculation is not None:
+        # the early loads held back until that gradient hook of each boundary backward (as a GPU's memory
+        # may hold them back): what became final before then is updated there, later in backward; and
+        # how often a gradient was reduced again while its sub-group was final but not yet updated
+        timing, first = deepspeed_offload.get_handle(engine).timing, spec["loads_from_hook"]
+        gradient_ready, partitioned = timing.gradient_ready, speculation.partitioned
+
+        def held_back():
+            allowance = gradient_ready()
+            return allowance if timing._hook >= first else None
+
+        def counted(params):
+            again = sum(speculation.group_of.get(p.ds_id) in speculation._final
+                        and p.ds_id in speculation._seen.get(speculation.group_of[p.ds_id], ()) for p in params)
+            result_extra["reduced_again_before_update"] = result_extra.get("reduced_again_before_update", 0) + again
+            return partitioned(params)
+
+        timing.gradient_ready, speculation.partitioned = held_back, counted
     if spec.get("early_cap_share") and speculation is not None:
         # early loads within a cap, a share of all the offloaded state: what they hold plus what the updates
         # hold (the 16-bit casts kept until the step, their fp32 gradient buffer) must stay within it (the
