@@ -4,6 +4,7 @@ synchronous executor on CPU buffers), and the order of a whole step as a GPU wou
 tests' deferred executor, whose copies run only when waited for and which checks every buffer's
 accesses for happens-before: each of the table's waits dropped in turn must be caught)."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -292,6 +293,27 @@ def test_each_of_the_tables_waits_dropped_is_caught(wait):
     t = make_table(copies, groups=4)
     held = _ordered_step(t)
     assert copies.violations > 0, f"{DROPS[wait]} dropped: no access out of order (host holds {held})"
+
+
+WAIT = re.compile(r"compute_waits\(|join_side\(\)|wait_host\(|waits=\(|\.drain\(\)|wait_for_copies\(\)")
+
+
+def test_the_list_of_waits_removed_one_at_a_time_is_the_source_s():
+    """scripts/remove_waits.py removes each wait of the step and of speculation by its text, and
+    docs/architecture.md's table is what it found: each text is in the source once, and every line
+    of those files that waits (or drains) is one of them."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "scripts"))
+    from remove_waits import WAITS
+    covered = {}
+    for w in WAITS:
+        src = (root / w.path).read_text()
+        assert src.count(w.text) == 1, f"{w.id}: {w.text!r} is in {w.path} {src.count(w.text)} times"
+        first = src[:src.index(w.text)].count("\n") + 1
+        covered.setdefault(w.path, set()).update(range(first, first + w.text.count("\n") + 1))
+    for path, lines in covered.items():
+        waiting = [n for n, line in enumerate((root / path).read_text().splitlines(), 1) if WAIT.search(line)]
+        assert set(waiting) <= lines, f"{path}: lines {sorted(set(waiting) - lines)} wait, and no row removes them"
 
 
 def test_a_slots_refill_without_its_write_back_is_caught_by_parity_too():
