@@ -232,6 +232,8 @@ def colocation_cycle(engine, spec, step):
     kept = sorted(getattr(handle, "kept", ()))  # compile mode's sub-groups that stay on the device (this phase)
     views = dict(getattr(engine.optimizer, GRAD_VIEWS))
     engine.offload_states(include=include, pin_memory=step % 2 == 0, non_blocking=step % 3 == 1)
+    if spec["colocate"].get("read_while_offloaded"):
+        engine.optimizer.state_dict()  # a CPU reader of what offload_states() moved to the host
     rec = {"checkpoint_pending": pending, "include": None if include is None else sorted(str(getattr(k, "value", k)) for k in include),
            "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
     if handle is not None:

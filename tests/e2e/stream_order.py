@@ -19,7 +19,8 @@ an allocation (a block the caching allocator hands out may still be in use by th
 earlier work), a drop of a ``JOINED`` buffer (its block goes back to the compute stream at once),
 those the runtime declares where it hands buffers to a stream (``copies.uses``: ``arrive``,
 ``mark_updated``, a speculated update, a commit's copy), and DeepSpeed's own, which
-``declare_deepspeed`` adds around its methods.
+``declare_deepspeed`` adds around its methods (with ``offload_states()``' copies of the resident
+sub-groups, ``declare_colocation``).
 
 Which wait each check guards, and the test that fails without it: docs/architecture.md, "Ordering,
 checked on the CPU".
@@ -175,7 +176,9 @@ def declare_deepspeed(mode):
       compute stream (the step's copy of the updated master);
     - a speculated update reads its sub-group's gradient partitions (``Speculation._fp32_grad``, on the
       side stream). A parameter reduced again after its sub-group's update read its partition voids
-      that update (``Speculation.discard``): those reads no longer count, their result is dropped.
+      that update (``Speculation.discard``): those reads no longer count, their result is dropped;
+    - the readers of host state (``state_dict``, ``_get_fp32_opt_state_partition``) read, on the host,
+      the host store ``offload_states()`` put the resident sub-groups in (``declare_colocation``).
     """
     opt, order, spec = mode.opt, mode.copies.order, mode.speculation
     flats = opt.fp16_partitioned_groups_flat
@@ -257,6 +260,20 @@ def declare_deepspeed(mode):
 
     mode.engine.module.register_forward_pre_hook(forward_reads)
 
+    def host_reads(orig):  # (the readers of host state: the optimizer's tensors, the resident ones in a host store)
+
+        def call(*args, **kwargs):
+            for store in {id(s): s for s in mode.colocation.resident_on_host.values()}.values():
+                for buf in store.buffers.values():
+                    order.access(buf, write=False, stream="host")
+            return orig(*args, **kwargs)
+
+        return call
+
+    for name in ("state_dict", "_get_fp32_opt_state_partition"):
+        wrap(name, host_reads)
+    declare_colocation(mode)
+
     if spec is not None:
         fp32_grad = spec._fp32_grad
 
@@ -267,3 +284,24 @@ def declare_deepspeed(mode):
             return fp32_grad(i, out)
 
         spec._fp32_grad = reads_partitions
+
+
+def declare_colocation(mode):
+    """``offload_states()``' copies of the resident sub-groups' state into a host store
+    (``StateOffload._move_resident``): the compute stream writes the store's buffers, and with
+    ``non_blocking`` off the copy makes the host wait for the compute stream (a copy to host memory
+    that is not asynchronous returns once it is done). A reader of host state reads them on the host
+    (``declare_deepspeed``): after a non-blocking offload only ``wait_for_copies`` orders that."""
+    colocation, order = mode.colocation, mode.copies.order
+    move = colocation._move_resident
+
+    def moved(kind, to, non_blocking, *args, **kwargs):
+        result = move(kind, to, non_blocking, *args, **kwargs)
+        if to is not None:
+            for buf in to.buffers.values():
+                order.access(buf, write=True, stream="compute", label="the resident sub-groups' host store")
+            if not non_blocking:
+                order.wait_stream("compute", stream="host")
+        return result
+
+    colocation._move_resident = moved

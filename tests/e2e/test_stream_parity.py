@@ -39,7 +39,9 @@ VARIANTS = {
     # steps), every include, pin_memory and non_blocking in turn; at the end a step, a backward and a
     # load while offloaded must be refused
     "colocate": dict(offload=OFFLOAD, colocate={"refusals": True}),
-    "deferred_colocate": dict(offload=OFFLOAD, colocate={}, copies="deferred"),
+    # ... deferred, and the optimizer's state_dict() read while offloaded (a CPU reader of the host
+    # store that offload_states() filled, non-blocking every third cycle)
+    "deferred_colocate": dict(offload=OFFLOAD, colocate={"read_while_offloaded": True}, copies="deferred"),
     # the negative control: loads into a staging slot do not wait for the slot's last write-back,
     # and parity must break (overlap off: the step streams every sub-group through the slots)
     "deferred_control": dict(offload=dict(OFFLOAD, overlap=False), copies="deferred_control"),
@@ -67,7 +69,7 @@ CASES = {
                             variants=["deferred", "deferred_tiny", "deferred_off", "deferred_control",
                                       "deferred_checkpoint", "resume", "deferred_colocate"]),
     "budget_keeps_some_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True),
-                                       variants=["overlap", "overlap_off_no_prefetch", "colocate"],
+                                       variants=["overlap", "overlap_off_no_prefetch", "colocate", "deferred_colocate"],
                                        offload=dict(memory_budget_gb=12e-6)),
 }
 
@@ -77,6 +79,8 @@ def variant_specs(case, tmp_path):
     extra = CASES[case].get("offload", {})
     out = [("plain", {"api": "deepspeed"})]
     for name in CASES[case]["variants"]:
+        if name.startswith("deferred") and not ON_CPU:
+            continue  # the deferred executor stands in for a GPU's streams on the CPU accelerator
         if name == "detach":
             out.append((name, dict(offload=dict(OFFLOAD, **extra), detach_after=3)))
         elif name in ("checkpoint", "deferred_checkpoint"):
