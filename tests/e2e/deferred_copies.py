@@ -154,10 +154,6 @@ class DeferredCopies:
         with self.order.on("side"):
             yield
 
-    def stream(self, name):
-        """What follows runs on stream ``name`` (the tests' stand-in for DeepSpeed's reduction stream)."""
-        return self.order.on(name)
-
     def join_side(self):
         self.order.wait_stream("side")
 

@@ -8,9 +8,11 @@ limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
 a detach, an asynchronous checkpoint and its resume), in the same process from the same seed.
 
 On the CPU every copy is synchronous, so the waits between copies and computation are never put to
-the test, except in the ``deferred_copies`` case: there the copies run only when something waits for
-them (``deferred_copies.py``), as late as a GPU's copy streams may, and a negative control that drops
-one wait must break parity (a drain or a slot reuse without its wait breaks it too: checked by hand)."""
+the test, except in the ``deferred`` variants: there the copies run only when something waits for
+them (``deferred_copies.py``), as late as a GPU's copy streams may, and every buffer handed between
+streams must be used in an order a GPU keeps (``stream_order.py``: no violation); a negative
+control that drops one wait must break parity. Which test fails without each wait:
+docs/architecture.md, "Ordering, checked on the CPU" (``scripts/remove_waits.py``)."""
 
 import pytest
 from deepspeed.accelerator import get_accelerator
