@@ -9,8 +9,10 @@
 Each copy holds this checkout's tracked and untracked files (not the ignored ones) in a temporary
 directory; the wait's source text is replaced there (it must occur exactly once), and pytest runs the
 wait's tests from the copy, one file at a time (the e2e files launch their ranks once per file).
-docs/architecture.md ("Ordering, checked on the CPU") holds the table this printed;
-tests/unit/test_residency.py checks that every wait's text is still in the source.
+docs/architecture.md ("Ordering, checked on the CPU") holds the table this printed, condensed;
+tests/unit/test_residency.py checks that every wait's text is still in the source. A launch that hangs
+(on a machine shared with other test sessions: see tests/conftest.py's /dev/shm clean-up) times out and
+shows as errors, not as failures: run that wait again.
 """
 
 import argparse
