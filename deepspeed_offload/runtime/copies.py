@@ -73,6 +73,11 @@ class SyncCopies:
     def compute_waits(self, event) -> None:
         pass
 
+    def uses(self, reads=(), writes=()) -> None:
+        """The current stream reads ``reads`` and writes ``writes`` (device buffers) from here on. The
+        runtime says so where it hands buffers to a stream, for a test executor that checks the
+        order (``tests/e2e/stream_order.py``); the streams themselves need nothing."""
+
     def wait_host(self, event) -> None:
         pass
 
@@ -171,6 +176,9 @@ class AsyncCopies:
         # (the current stream: the compute stream, or the side stream inside ``side()``)
         if event is not None:
             self.acc.current_stream().wait_event(event)
+
+    def uses(self, reads=(), writes=()) -> None:
+        pass  # (``SyncCopies.uses``)
 
     def wait_host(self, event) -> None:
         if event is not None:

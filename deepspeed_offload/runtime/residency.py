@@ -150,11 +150,13 @@ class ResidencyTable:
         r = self.of[i]
         r.move(Phase.ON_DEVICE)
         self.copies.compute_waits(r.loaded)
+        self.copies.uses(writes=r.buffers.values())
 
     def mark_updated(self, i: int):
         r = self.of[i]
         r.move(Phase.UPDATED)
         r.host_stale = True
+        self.copies.uses(writes=r.buffers.values())  # the update's last writes, before its event
         r.updated = self.copies.mark()
 
     def write_back(self, i: int, other: bool = False) -> Tuple[int, object]:

@@ -187,6 +187,7 @@ class Speculation:
                     mode.copies.compute_waits(grad_ready)  # the compute stream's last use of the blocks
                     mode.copies.compute_waits(cast_ready)
                     mode.copies.compute_waits(queued)
+                    mode.copies.uses(writes=(grad, lp))
                     state_before, group_before = small_state(state, store.slices[i]), group_entries(group)
                     mode.tensors.point_at(i, lambda key: table.view(i, key))
                     master.grad = self._fp32_grad(i, grad)
@@ -324,6 +325,7 @@ class Speculation:
             queued = copies.mark()
             with copies.side():
                 copies.compute_waits(queued)
+                copies.uses(reads=(self.committing[sub_group_id], ), writes=(flat, ))
                 flat.data.copy_(self.committing[sub_group_id])
             self.opt._unflatten_partitioned_parameters(sub_group_id)
 

@@ -1,23 +1,29 @@
-"""A copy executor for the CPU that behaves like a GPU's copy streams at their most hostile.
+"""A copy executor for the CPU that behaves like a GPU's copy streams at their most hostile, and checks
+that every buffer is handed between streams in an order a GPU would keep.
 
 ``DeferredCopies`` has ``AsyncCopies``' interface, but a copy does not run when it is queued: it runs
 only when something waits for its event (the compute stream before it reads the buffers, the CPU
 before it reads host state, a later copy that must come after it), and then reads its source as
-it is at that moment, as a copy engine would. The runtime's waits are therefore all that orders
-the copies against the computation and against each other: a missing wait makes a load read stale
-host state, or a slot be refilled before its write-back read it, and the results differ from plain
-ZeRO-3. New device buffers are filled with NaN, so reading one before its load ran shows too.
+it is at that moment, as a copy engine would. A missing wait between copies and the CPU therefore
+makes a load read stale host state, or a slot be refilled before its write-back read it, and the
+results differ from plain ZeRO-3. New device buffers are filled with NaN, so reading one before its
+load ran shows too.
+
+The computation cannot run late on the CPU, so its order is checked instead: every event and wait
+goes through a ``StreamOrder`` (``stream_order.py``: the compute, side, H2D, D2H and reduction
+streams and the host as vector clocks), and every access to a buffer handed between them (the
+copies', an allocation's, the runtime's ``uses``, DeepSpeed's) must come after the accesses it
+depends on. ``violations`` counts the ones that do not (``first_violations`` describes a few; the
+tests want none), ``accesses`` the ones checked. One rule of its own: a buffer allocated ``JOINED``
+(not recorded on the side stream) goes back to the compute stream's pool when it is dropped, so the
+compute stream must have waited for every use of it by then, or the buffer must have been handed to
+``release`` first; ``unjoined_drops`` counts the drops that broke that (also violations),
+``joined_allocs`` shows the check saw some.
 
 ``drop_slot_wait=True`` is the negative control: every load ignores what its destination waits for
 (the runtime passes ``(destination ready, previous write-back)``; for a staging slot, the slot's last
 write-back), so a slot is refilled before its write-back read it, which parity must catch.
 The device-memory policy is the CPU accelerator's (``synchronous``: no limits derived from memory).
-
-The side stream's work runs eagerly here, but the executor checks the one rule a GPU's caching
-allocator would punish silently: a buffer allocated ``JOINED`` (not recorded on the side stream) must
-be dropped only after the compute stream joined the side stream, if the side stream ran anything since,
-or be handed to ``release`` first (``unjoined_drops`` counts the ones that were neither;
-``joined_allocs`` shows the check saw some).
 """
 
 import contextlib
@@ -27,68 +33,71 @@ import weakref
 import torch
 
 from deepspeed_offload.runtime.copies import COPIES, JOINED
+from stream_order import StreamOrder, key_of
 
 
-class _Stream:
+class _Queue:
+    """A copy stream's copies, in queue order: (fn, events it waits for), and how many have run."""
 
     def __init__(self, name):
         self.name = name
-        self.ops = []  # (fn, events it waits for), in queue order
-        self.done = 0  # how many of them have run
-
-
-class _Event:
-    """Done once ``stream`` has run its first ``index`` ops."""
-
-    def __init__(self, stream, index):
-        self.stream, self.index = stream, index
+        self.ops = []
+        self.done = 0
 
 
 class DeferredCopies:
     synchronous = True  # the CPU accelerator's memory policy; the copies themselves are deferred
 
     def __init__(self, drop_slot_wait=False):
-        self.h2d_stream = _Stream("h2d")
-        self.d2h_stream = _Stream("d2h")
+        self.order = StreamOrder()
+        self.h2d_stream = _Queue("h2d")
+        self.d2h_stream = _Queue("d2h")
         self.drop_slot_wait = drop_slot_wait
         self.deferred = 0  # copies that were still queued when the next copy was queued behind them
-        self.side_since_join = False  # the side stream ran something the compute stream has not joined
+        self.allocs = 0
         self.joined_allocs = 0
-        self.unjoined_drops = 0  # JOINED buffers dropped while side_since_join, not released
-        self._released = set()  # ids of JOINED buffers handed to release
+        self.unjoined_drops = 0  # JOINED buffers dropped before the compute stream waited for their uses
+        self._released = set()  # keys of JOINED buffers handed to release
 
-    def _queue(self, stream, fn, waits):
-        self.deferred += stream.done < len(stream.ops)
-        stream.ops.append((fn, [w for w in waits if w is not None]))
-        return _Event(stream, len(stream.ops))
+    @property
+    def violations(self) -> int:
+        return self.order.violations
+
+    @property
+    def first_violations(self):
+        return list(self.order.first)
+
+    @property
+    def accesses(self) -> int:
+        return self.order.accesses
+
+    # ------------------------------------------------------------------ copies, run when waited for
+
+    def _queue(self, queue, fn, waits):
+        self.deferred += queue.done < len(queue.ops)
+        queue.ops.append((fn, waits))
+        return self.order.mark(queue.name, queue, len(queue.ops))
 
     def _complete(self, event):
-        if event is None:
+        if event is None or event.queue is None:  # (the computation's events: it ran already)
             return
-        stream = event.stream
-        while stream.done < event.index:
-            fn, waits = stream.ops[stream.done]
+        queue = event.queue
+        while queue.done < event.index:
+            fn, waits = queue.ops[queue.done]
             for w in waits:
                 self._complete(w)
             fn()
-            stream.done += 1
+            queue.done += 1
 
-    def alloc(self, numel, used_by=COPIES):
-        bufs = {dt: torch.full((n, ), float("nan"), dtype=dt) for dt, n in numel.items()}
-        if used_by == JOINED:
-            for buf in bufs.values():
-                self.joined_allocs += 1
-                weakref.finalize(buf, self._joined_dropped, id(buf))
-        return bufs, None
-
-    def _joined_dropped(self, key):
-        if key in self._released:
-            self._released.discard(key)
-        else:
-            self.unjoined_drops += self.side_since_join
-
-    def release(self, *tensors):
-        self._released.update(id(t) for t in tensors)
+    def _copy(self, queue, reads, writes, waits, copy):
+        """Queue ``copy`` on ``queue`` after ``waits``; it reads ``(label, tensors)`` and writes ``(label, tensors)``."""
+        waits = [w for w in waits if w is not None]
+        for w in waits:
+            self.order.wait(w, queue.name)
+        for (label, tensors), write in ((reads, False), (writes, True)):
+            for t in tensors:
+                self.order.access(t, write=write, stream=queue.name, label=label)
+        return self._queue(queue, copy, waits), None
 
     def h2d(self, dst, src, waits):
         waits = tuple(waits)
@@ -99,7 +108,8 @@ class DeferredCopies:
             for dt, region in src.items():
                 dst[dt].narrow(0, 0, region.numel()).copy_(region)
 
-        return self._queue(self.h2d_stream, copy, waits), None
+        return self._copy(self.h2d_stream, ("a host region", src.values()), ("a device buffer", [dst[dt] for dt in src]),
+                          waits, copy)
 
     def d2h(self, dst, src, waits):
 
@@ -107,27 +117,63 @@ class DeferredCopies:
             for dt, region in dst.items():
                 region.copy_(src[dt].narrow(0, 0, region.numel()))
 
-        return self._queue(self.d2h_stream, copy, waits), None
+        return self._copy(self.d2h_stream, ("a device buffer", [src[dt] for dt in dst]), ("a host region", dst.values()),
+                          waits, copy)
+
+    # ------------------------------------------------------------------ device memory
+
+    def alloc(self, numel, used_by=COPIES):
+        bufs = {dt: torch.full((n, ), float("nan"), dtype=dt) for dt, n in numel.items()}
+        for buf in bufs.values():
+            self.allocs += 1
+            self.order.fresh(buf, f"{used_by} buffer {self.allocs} ({buf.dtype}, {buf.numel()})")
+            if used_by == JOINED:
+                self.joined_allocs += 1
+            weakref.finalize(buf, self._dropped, key_of(buf), used_by == JOINED)
+        return bufs, self.order.mark()  # a copy into them waits for the compute work queued before
+
+    def _dropped(self, key, joined):
+        if key is None:
+            return
+        if joined and key not in self._released:
+            # its block goes back to the compute stream, which may reuse it at once
+            self.unjoined_drops += not self.order.access(key, write=True, stream="compute")
+        self._released.discard(key)
+        self.order.forget(key)
+
+    def release(self, *tensors):
+        self._released.update(key_of(t) for t in tensors)
+
+    # ------------------------------------------------------------------ the streams' order
 
     def mark(self):
-        return None  # the computation runs eagerly on the CPU: done when it is queued
+        return self.order.mark()
 
     @contextlib.contextmanager
-    def side(self):  # the computation is eager: one stream of it
-        self.side_since_join = True
-        yield
+    def side(self):
+        with self.order.on("side"):
+            yield
 
     def join_side(self):
-        self.side_since_join = False
+        self.order.wait_stream("side")
 
     def compute_waits(self, event):
+        self.order.wait(event)
         self._complete(event)
 
     def wait_host(self, event):
+        self.order.wait(event, "host")
         self._complete(event)
 
     def done(self, event):
-        return event is None or event.stream.done >= event.index
+        """Whether ``event``'s copy has run (the computation's events: always)."""
+        return event is None or event.queue is None or event.queue.done >= event.index
+
+    def uses(self, reads=(), writes=()):
+        for t in reads:
+            self.order.access(t, write=False)
+        for t in writes:
+            self.order.access(t, write=True)
 
     def clock(self):
         return time.perf_counter()

@@ -300,6 +300,8 @@ def colocation_cycle(engine, spec, step):
     kept = sorted(getattr(handle, "kept", ()))  # compile mode's sub-groups that stay on the device (this phase)
     views = dict(getattr(engine.optimizer, GRAD_VIEWS))
     engine.offload_states(include=include, pin_memory=step % 2 == 0, non_blocking=step % 3 == 1)
+    if spec["colocate"].get("read_while_offloaded"):
+        engine.optimizer.state_dict()  # a CPU reader of what offload_states() moved to the host
     rec = {"checkpoint_pending": pending, "include": None if include is None else sorted(str(getattr(k, "value", k)) for k in include),
            "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
     if handle is not None:
@@ -446,18 +448,27 @@ def unsupported(spec):
 @contextlib.contextmanager
 def copy_executor(spec):
     """With ``copies``, offload attaches with deferred_copies.py's executor: a copy runs only when
-    something waits for it (the most hostile timing a GPU's copy streams allow)."""
+    something waits for it (the most hostile timing a GPU's copy streams allow), and every buffer
+    handed between streams is checked for the order a GPU would keep (``stream_order.py``; DeepSpeed's
+    own work on the streams declared before the stream mode's hooks go on)."""
     if not spec.get("copies"):
         yield
         return
     from deferred_copies import DeferredCopies
+    from stream_order import declare_deepspeed
     import deepspeed_offload.runtime.stream as stream_mod
-    made = stream_mod.make_copies
+    made, install = stream_mod.make_copies, stream_mod.StreamMode._install_hooks
+
+    def install_hooks(mode):
+        declare_deepspeed(mode)
+        install(mode)
+
     stream_mod.make_copies = lambda acc=None: DeferredCopies(drop_slot_wait=spec["copies"] == "deferred_control")
+    stream_mod.StreamMode._install_hooks = install_hooks
     try:
         yield
     finally:
-        stream_mod.make_copies = made
+        stream_mod.make_copies, stream_mod.StreamMode._install_hooks = made, install
 
 
 def train(spec):
@@ -518,6 +529,24 @@ def train_with(spec):
         # 16-bit casts into DeepSpeed's partitions, and the casts are dropped before the compute
         # stream joined the side stream (step_ends without its join)
         speculation.step_ends = lambda: setattr(speculation, "committing", {})
+    if spec.get("loads_from_hook") is not None and speculation is not None:
+        # the early loads held back until that gradient hook of each boundary backward (as a GPU's memory
+        # may hold them back): what became final before then is updated there, later in backward; and
+        # how often a gradient was reduced again while its sub-group was final but not yet updated
+        timing, first = deepspeed_offload.get_handle(engine).timing, spec["loads_from_hook"]
+        gradient_ready, partitioned = timing.gradient_ready, speculation.partitioned
+
+        def held_back():
+            allowance = gradient_ready()
+            return allowance if timing._hook >= first else None
+
+        def counted(params):
+            again = sum(speculation.group_of.get(p.ds_id) in speculation._final
+                        and p.ds_id in speculation._seen.get(speculation.group_of[p.ds_id], ()) for p in params)
+            result_extra["reduced_again_before_update"] = result_extra.get("reduced_again_before_update", 0) + again
+            return partitioned(params)
+
+        timing.gradient_ready, speculation.partitioned = held_back, counted
     if spec.get("early_cap_share") and speculation is not None:
         # early loads within a cap, a share of all the offloaded state: what they hold plus what the updates
         # hold (the 16-bit casts kept until the step, their fp32 gradient buffer) must stay within it (the
@@ -643,6 +672,10 @@ def train_with(spec):
                             "deferred_copies": getattr(handle.copies, "deferred", None),
                             "joined_allocs": getattr(handle.copies, "joined_allocs", None),
                             "unjoined_drops": getattr(handle.copies, "unjoined_drops", None),
+                            # (stream_order.py) accesses checked, and those a GPU would not keep in order
+                            "ordered_accesses": getattr(handle.copies, "accesses", None),
+                            "violations": getattr(handle.copies, "violations", None),
+                            "first_violations": getattr(handle.copies, "first_violations", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}
     return result

@@ -9,9 +9,14 @@ case in one launch), and compares every loss, fp32 master and optimizer state wi
 
 A negative control commits without the norm check while clipping fires on some steps: parity must
 break. The ``deferred`` variants run every copy only when something waits for it
-(``deferred_copies.py``), as late as a GPU's copy streams may, and check that the 16-bit casts and
-the fp32 gradient buffer are dropped only after the compute stream joined the side stream; a control
-that skips the step's join must be caught."""
+(``deferred_copies.py``), as late as a GPU's copy streams may, and check that every buffer handed
+between the compute, side, copy and reduction streams is used in an order a GPU keeps
+(``stream_order.py``), the 16-bit casts and the fp32 gradient buffer dropped only after the compute
+stream joined the side stream; a control that skips the step's join must be caught. Two deferred
+variants put single waits to the test: one whose early loads are held back to late in backward (a
+gradient reduced twice is final before its sub-group's state arrives, and the update must wait for
+the second reduction), one whose step raises after commits were queued on the side stream (the
+rollback must join it before the next forward reads the 16-bit partitions)."""
 
 import pytest
 
@@ -66,6 +71,15 @@ def variants(case):
         out.append(("control", dict(offload=OFFLOAD, force_commit=True)))
     if case == "clips_on_odd_steps":  # the casts dropped before the compute stream joined the side stream
         out.append(("unjoined_control", dict(offload=OFFLOAD, copies="deferred", no_step_end_join=True)))
+    if case == "reentrant_tied":
+        # no early loads before the 7th gradient hook of each boundary backward: the tied layer's gradients
+        # (reduced at the 3rd and 5th or so, one bucket each) are final and reduced again before their state
+        # arrives, and its update, at that 7th hook, waits for the second reduction (out of about ten)
+        out.append(("deferred_late_loads", dict(offload=OFFLOAD, copies="deferred", loads_from_hook=7)))
+    if case == "never_clips":
+        # the second step raises at the late layer's update (unused then, so not speculated) after the
+        # commits of the sub-groups before it queued their copies on the side stream
+        out.append(("deferred_abort", dict(offload=OFFLOAD, copies="deferred", abort_at=1)))
     return out
 
 
@@ -131,9 +145,26 @@ def test_speculation_parity(case_runs, case):
         # every 16-bit cast and gradient buffer (allocated JOINED, not recorded on the side stream) was
         # dropped only after the compute stream joined the side stream: on a GPU its block is reused at once
         assert deferred["joined_allocs"] > 0 and deferred["unjoined_drops"] == 0, deferred
+        # every buffer handed between the streams (compute, side, copies, DeepSpeed's reduction) in an
+        # order a GPU keeps (stream_order.py)
+        assert deferred["ordered_accesses"] > 0 and deferred["violations"] == 0, deferred["first_violations"]
+    if "deferred_late_loads" in runs:
+        late = runs["deferred_late_loads"]
+        assert_bitwise_equal(plain, late)
+        c, h = late["handle"]["speculation"], late["handle"]
+        assert late["reduced_again_before_update"] > 0 and c["committed"] == c["speculated"] > 0, (late, c)
+        assert h["violations"] == 0, h["first_violations"]
+    if "deferred_abort" in runs:
+        aborted = runs["deferred_abort"]
+        assert aborted["abort"] == {"raised": "injected failure", "host_resident": True, "in_step": False,
+                                    "slots": False}, aborted["abort"]
+        h = aborted["handle"]
+        assert h["speculation"]["reasons"].get("step raised") == 1 and h["steps"] == steps - 1, h
+        assert h["violations"] == 0 and h["unjoined_drops"] == 0, h["first_violations"]
     if "unjoined_control" in runs:
         unjoined = runs["unjoined_control"]["handle"]
         assert unjoined["speculation"]["committed"] > 0 and unjoined["unjoined_drops"] > 0, unjoined
+        assert unjoined["violations"] > unjoined["unjoined_drops"], unjoined  # the next forward's reads too
     if "control" in runs:
         control = runs["control"]
         assert control["handle"]["speculation"]["committed"] > 0

@@ -8,9 +8,11 @@ limit, with a tiny ``overlap_memory_gb``, overlap off; one case adds
 a detach, an asynchronous checkpoint and its resume), in the same process from the same seed.
 
 On the CPU every copy is synchronous, so the waits between copies and computation are never put to
-the test, except in the ``deferred_copies`` case: there the copies run only when something waits for
-them (``deferred_copies.py``), as late as a GPU's copy streams may, and a negative control that drops
-one wait must break parity (a drain or a slot reuse without its wait breaks it too: checked by hand)."""
+the test, except in the ``deferred`` variants: there the copies run only when something waits for
+them (``deferred_copies.py``), as late as a GPU's copy streams may, and every buffer handed between
+streams must be used in an order a GPU keeps (``stream_order.py``: no violation); a negative
+control that drops one wait must break parity. Which test fails without each wait:
+docs/architecture.md, "Ordering, checked on the CPU" (``scripts/remove_waits.py``)."""
 
 import pytest
 from deepspeed.accelerator import get_accelerator
@@ -44,7 +46,9 @@ VARIANTS = {
     # steps), every include, pin_memory and non_blocking in turn; at the end a step, a backward and a
     # load while offloaded must be refused
     "colocate": dict(offload=OFFLOAD, colocate={"refusals": True}),
-    "deferred_colocate": dict(offload=OFFLOAD, colocate={}, copies="deferred"),
+    # ... deferred, and the optimizer's state_dict() read while offloaded (a CPU reader of the host
+    # store that offload_states() filled, non-blocking every third cycle)
+    "deferred_colocate": dict(offload=OFFLOAD, colocate={"read_while_offloaded": True}, copies="deferred"),
     # the negative control: loads into a staging slot do not wait for the slot's last write-back,
     # and parity must break (overlap off: the step streams every sub-group through the slots)
     "deferred_control": dict(offload=dict(OFFLOAD, overlap=False), copies="deferred_control"),
@@ -72,7 +76,7 @@ CASES = {
                             variants=["deferred", "deferred_tiny", "deferred_off", "deferred_control",
                                       "deferred_checkpoint", "resume", "deferred_colocate"]),
     "budget_keeps_some_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True),
-                                       variants=["overlap", "overlap_off_no_prefetch", "colocate"],
+                                       variants=["overlap", "overlap_off_no_prefetch", "colocate", "deferred_colocate"],
                                        offload=dict(memory_budget_gb=12e-6)),
     # the measured plan's moves (StreamMode._place), at chosen steps: three sub-groups made resident after
     # step 2, two of them given back after step 4; with speculation (on by default), a checkpoint and its
@@ -91,6 +95,8 @@ def variant_specs(case, tmp_path):
     extra = CASES[case].get("offload", {})
     out = [("plain", {"api": "deepspeed"})]
     for name in CASES[case]["variants"]:
+        if name.startswith("deferred") and not ON_CPU:
+            continue  # the deferred executor stands in for a GPU's streams on the CPU accelerator
         if name == "detach":
             out.append((name, dict(offload=dict(OFFLOAD, **extra), detach_after=3)))
         elif name in ("checkpoint", "deferred_checkpoint"):
@@ -137,7 +143,7 @@ def check_case(spec, results):
             assert ours["start"] == 3 and ours["losses"] == plain["losses"][3 * spec.get("gas", 1):]
             assert_bitwise_equal(plain, ours, what=("fp32", "state"))
         elif name == "deferred_control":
-            assert ours["handle"]["deferred_copies"] > 0
+            assert ours["handle"]["deferred_copies"] > 0 and ours["handle"]["violations"] > 0
             with pytest.raises(AssertionError):  # a load that skips its wait reads stale state
                 assert_bitwise_equal(plain, ours)
             continue
@@ -145,6 +151,8 @@ def check_case(spec, results):
             assert_bitwise_equal(plain, ours)
         if name.startswith("deferred"):
             assert ours["handle"]["deferred_copies"] > 0  # copies really waited in their queues
+            # every buffer handed between the streams in an order a GPU keeps (stream_order.py)
+            assert ours["handle"]["violations"] == 0, (name, ours["handle"]["first_violations"])
         if name == "detach":
             d = ours["detach"]
             assert d["handle_gone"] and d["methods_are_class_methods"] and not d["still_instance_attributes"], d
@@ -434,6 +442,7 @@ def test_compile_mode_runtime_parity(tmp_path, name):
     # with the copies as late as a GPU may run them (deferred_copies.py): the ops' waits order them
     assert_bitwise_equal(plain, deferred)
     assert deferred["handle"]["deferred_copies"] > 0
+    assert deferred["handle"]["violations"] == 0, deferred["handle"]["first_violations"]
     handle = ours["handle"]
     order, counters, nbytes = handle["order"], handle["counters"], dict(zip(handle["order"], handle["nbytes"]))
     k = len(order) if spec["compile_ops"]["reload"] == "all" else spec["compile_ops"]["reload"]

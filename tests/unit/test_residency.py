@@ -1,6 +1,12 @@
 """The residency state machine on its own: legal and illegal transitions, what each copy waits for
-(recorded by a fake executor whose events are named objects), and the copies themselves (the real
-synchronous executor on CPU buffers)."""
+(recorded by a fake executor whose events are named objects), the copies themselves (the real
+synchronous executor on CPU buffers), and the order of a whole step as a GPU would keep it (the e2e
+tests' deferred executor, whose copies run only when waited for and which checks every buffer's
+accesses for happens-before: each of the table's waits dropped in turn must be caught)."""
+
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +14,9 @@ import torch
 from deepspeed_offload.runtime.copies import SyncCopies, make_copies
 from deepspeed_offload.runtime.host_store import MASTER, HostStore
 from deepspeed_offload.runtime.residency import LEGAL, IllegalTransition, Phase, Residency, ResidencyTable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from deferred_copies import DeferredCopies  # noqa: E402
 
 P = Phase
 
@@ -226,6 +235,110 @@ def test_the_cpu_accelerator_gets_the_synchronous_executor():
     assert copies.synchronous and isinstance(copies, SyncCopies)
     a, b = copies.clock(), copies.clock()
     assert copies.elapsed(a, b) >= 0
+
+
+# ---------------------------------------------------------------------- on the CPU: the order a GPU keeps
+
+# Each wait the table passes, and how the negative control drops it (from the executor's side: each
+# verb passes exactly these, so this is the wait removed from residency.py).
+DROPS = {
+    "ready": "a load's wait for its destination (new buffers' allocation, a slot's last write-back)",
+    "written": "a load's wait for the sub-group's own previous write-back",
+    "loaded": "arrive's wait for the load",
+    "updated": "a write-back's wait for the update",
+    "drained": "drain's wait for the last write-back",
+}
+
+
+def _dropping(copies, wait):
+    """``copies`` with the table's wait ``wait`` (a key of DROPS) ignored."""
+    if wait in ("ready", "written"):
+        h2d, k = copies.h2d, 0 if wait == "ready" else 1
+        copies.h2d = lambda dst, src, waits: h2d(dst, src, [w for j, w in enumerate(waits) if j != k])
+    elif wait == "updated":
+        d2h = copies.d2h
+        copies.d2h = lambda dst, src, waits: d2h(dst, src, ())
+    elif wait == "loaded":
+        copies.compute_waits = lambda event: None
+    elif wait == "drained":
+        copies.wait_host = lambda event: None
+    return copies
+
+
+def _ordered_step(t):
+    """A step's worth of the table's verbs: sub-group 0 in buffers of its own, loaded again before its
+    write-back landed (as compile mode reloads what the forward's head wrote back) and updated once
+    more; 1..3 through the two slots (3 refills slot 0 after 1's write-back); a CPU reader at the end.
+    Returns what the host store holds."""
+
+    def update(i):
+        t.arrive(i)
+        t.view(i, MASTER).add_(10)
+        t.view(i, "exp_avg").add_(1)
+        t.mark_updated(i)
+        t.write_back(i)
+
+    t.load(0)
+    t.load(1, slot=0)
+    t.load(2, slot=1)
+    update(0)
+    t.load(0)  # WRITING_BACK -> LOADING: reads what the write-back above writes
+    update(0)
+    update(1)
+    t.load(3, slot=0)
+    update(2)
+    update(3)
+    t.free_slots()
+    t.drain()
+    for i in t.of:  # the CPU reads the host store now
+        for region in t._regions(i).values():
+            t.copies.order.access(region, write=False, stream="host")
+    return [t.store.view(i, MASTER)[0].item() for i in t.of]
+
+
+def test_a_step_keeps_the_order_a_gpu_needs():
+    copies = DeferredCopies()
+    t = make_table(copies, groups=4)
+    assert _ordered_step(t) == [20.0, 11.0, 12.0, 13.0]
+    assert copies.violations == 0, copies.first_violations
+    assert copies.accesses > 20 and copies.deferred > 0  # the copies waited in their queues
+
+
+@pytest.mark.parametrize("wait", list(DROPS))
+def test_each_of_the_tables_waits_dropped_is_caught(wait):
+    copies = _dropping(DeferredCopies(), wait)
+    t = make_table(copies, groups=4)
+    held = _ordered_step(t)
+    assert copies.violations > 0, f"{DROPS[wait]} dropped: no access out of order (host holds {held})"
+
+
+WAIT = re.compile(r"compute_waits\(|join_side\(\)|wait_host\(|waits=\(|\.drain\(\)|wait_for_copies\(\)")
+
+
+def test_the_list_of_waits_removed_one_at_a_time_is_the_source_s():
+    """scripts/remove_waits.py removes each wait of the step and of speculation by its text, and
+    docs/architecture.md's table is what it found: each text is in the source once, and every line
+    of those files that waits (or drains) is one of them."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "scripts"))
+    from remove_waits import WAITS
+    covered = {}
+    for w in WAITS:
+        src = (root / w.path).read_text()
+        assert src.count(w.text) == 1, f"{w.id}: {w.text!r} is in {w.path} {src.count(w.text)} times"
+        first = src[:src.index(w.text)].count("\n") + 1
+        covered.setdefault(w.path, set()).update(range(first, first + w.text.count("\n") + 1))
+    for path, lines in covered.items():
+        waiting = [n for n, line in enumerate((root / path).read_text().splitlines(), 1) if WAIT.search(line)]
+        assert set(waiting) <= lines, f"{path}: lines {sorted(set(waiting) - lines)} wait, and no row removes them"
+
+
+def test_a_slots_refill_without_its_write_back_is_caught_by_parity_too():
+    """The deferred copies alone (no access check needed): slot 0 refilled before sub-group 1's
+    write-back read it, which then writes sub-group 3's state into 1's host region."""
+    copies = _dropping(DeferredCopies(), "ready")
+    t = make_table(copies, groups=4)
+    assert _ordered_step(t)[1] != 11.0
 
 
 # ---------------------------------------------------------------------- on a GPU: the waits are real
