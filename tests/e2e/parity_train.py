@@ -456,19 +456,20 @@ def copy_executor(spec):
         return
     from deferred_copies import DeferredCopies
     from stream_order import declare_deepspeed
+    import deepspeed_offload.runtime.hooks as hooks_mod
     import deepspeed_offload.runtime.stream as stream_mod
-    made, install = stream_mod.make_copies, stream_mod.StreamMode._install_hooks
+    made, install = stream_mod.make_copies, hooks_mod.install
 
     def install_hooks(mode):
         declare_deepspeed(mode)
         install(mode)
 
     stream_mod.make_copies = lambda acc=None: DeferredCopies(drop_slot_wait=spec["copies"] == "deferred_control")
-    stream_mod.StreamMode._install_hooks = install_hooks
+    hooks_mod.install = install_hooks
     try:
         yield
     finally:
-        stream_mod.make_copies, stream_mod.StreamMode._install_hooks = made, install
+        stream_mod.make_copies, hooks_mod.install = made, install
 
 
 def train(spec):
@@ -536,8 +537,8 @@ def train_with(spec):
         timing, first = deepspeed_offload.get_handle(engine).timing, spec["loads_from_hook"]
         gradient_ready, partitioned = timing.gradient_ready, speculation.partitioned
 
-        def held_back():
-            allowance = gradient_ready()
+        def held_back(param=None):
+            allowance = gradient_ready(param)
             return allowance if timing._hook >= first else None
 
         def counted(params):
