@@ -84,15 +84,11 @@ class StreamMode:
         self._early_order: List[int] = self.order  # members in the order they speculate, then step order
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
-        self._update_start = None
-        self._in_step = False
-        self.steps = 0
+        self._update_start, self._in_step, self.steps = None, False, 0
         self.released_unused = 0  # sub-groups loaded ahead of a step that did not run, given back
         self.stats: Optional[StepStats] = None
         self.last_stats: Optional[StepStats] = None
-        self.patches = PatchRegistry()
-        self.checkpointer = None
-        self.store = None
+        self.patches, self.checkpointer, self.store = PatchRegistry(), None, None
         try:
             self._build(placement, early_in_backward)
         except BaseException:
@@ -122,8 +118,7 @@ class StreamMode:
         self.plan = None
         if placement.host_first and not self.copies.synchronous and early_in_backward:
             limit = device_limit(self.acc, cfg.max_device_memory_gb)
-            self.plan = MeasuredPlan(limit=limit, margin=margin_bytes(limit))
-            self.timing.measure_always = True
+            self.plan, self.timing.measure_always = MeasuredPlan(limit=limit, margin=margin_bytes(limit)), True
         self.tensors = StateTensors(self.opt, self.store, self.order)
         self.speculation = Speculation(self, members) if members else None
         self.colocation = StateOffload(self)
