@@ -57,6 +57,22 @@ REJECTED = [
     ("async checkpoint on node-local storage",
      with_(optimizer_state_offload__async_checkpoint=True, checkpoint={"use_node_local_storage": True}),
      "checkpoint.use_node_local_storage"),
+    # accepted before, then inert or broken: refused alike by check and initialize
+    ("async checkpoint with DeepSpeed's checkpoint writer",
+     with_(optimizer_state_offload__async_checkpoint=True, checkpoint={"writer": {"type": "fast"}}),
+     "checkpoint.writer"),
+    ("async checkpoint with DataStates",
+     with_(optimizer_state_offload__async_checkpoint=True, datastates_ckpt={"enabled": True}),
+     "datastates_ckpt.enabled"),
+    ("early-load cap without overlap",
+     with_(optimizer_state_offload__overlap=False, optimizer_state_offload__overlap_memory_gb=2),
+     "optimizer_state_offload.overlap_memory_gb"),
+    ("device limit beside a hand-set budget",
+     with_(optimizer_state_offload__memory_budget_gb=8, optimizer_state_offload__max_device_memory_gb=100),
+     "optimizer_state_offload.max_device_memory_gb"),
+    ("stream mode with the 16-bit parameters on NVMe",
+     with_(zero_optimization__offload_param={"device": "nvme", "nvme_path": "/tmp"}),
+     "zero_optimization.offload_param.device"),
 ]
 
 

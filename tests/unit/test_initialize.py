@@ -3,6 +3,7 @@
 import argparse
 import functools
 import json
+from types import SimpleNamespace
 
 import deepspeed
 import pytest
@@ -361,3 +362,35 @@ def test_speculation_members_and_host_plan():
     assert plan.speculation_per_rank == 6 * gib and plan.store_per_rank == store + 6 * gib
     assert host_plan(params, 1, 1, speculate_gb=10**4).speculation_per_rank == store  # at most the store
     assert host_plan(params, 1, 1, speculate_gb=None).speculation_per_rank == 0  # null: what is spare, at attach
+
+
+def test_a_second_compile_mode_engine_is_refused_while_the_first_has_its_pass(monkeypatch):
+    """DeepCompile keeps one pass table and one schedule per process: while compile mode is attached to
+    one engine, attaching it to another is refused before anything changes (stream mode is not)."""
+    import weakref
+
+    import deepspeed_offload.compile_passes as cp
+    from deepspeed_offload.handle import HANDLE_ATTR
+    from deepspeed_offload.runtime.attach import check_engine
+
+    class Opt:
+        fp32_partitioned_groups_flat, fp16_groups = [torch.zeros(1)], [[], []]
+
+    class Engine:
+        is_compiled = False
+
+        def __init__(self):
+            self.optimizer = Opt()
+
+        def zero_optimization_stage(self):
+            return 3
+
+    first, second = Engine(), Engine()
+    setattr(first, HANDLE_ATTR, object())  # compile mode attached to it
+    monkeypatch.setattr(cp, "_engine_with_pass", weakref.ref(first))
+    compile_plan = SimpleNamespace(mode="compile")
+    with pytest.raises(ConfigError, match="compile mode is attached to another engine of this process"):
+        check_engine(second, compile_plan)
+    check_engine(second, SimpleNamespace(mode="stream"))  # stream mode beside it is fine
+    delattr(first, HANDLE_ATTR)  # the first one detached: its pass is gone
+    check_engine(second, compile_plan)
