@@ -1,0 +1,109 @@
+"""The parity subset that ``scripts/deepspeed-versions.sh`` runs against each supported DeepSpeed
+release, each in a virtual environment of its own.
+
+Stream mode is plain ZeRO-3 bit for bit (every loss, fp32 master and Adam moment ``torch.equal``)
+in bf16 with gradient accumulation 2 and in fp32, with overlap on and off, through an asynchronous
+checkpoint (its files equal to DeepSpeed's own synchronous save of the same state, read by this
+DeepSpeed's ``zero_to_fp32``) and its resume, and with ``offload_states()``/``reload_states()``
+after every step: 2 gloo ranks on the CPU through the real launcher, every case in one launch.
+The ranks import the DeepSpeed the environment was made for, and compile mode is refused on the CPU
+by a message that names it. By hand, in an environment with the release to test:
+``DS_OFFLOAD_EXPECT_DEEPSPEED=0.17.6 python -m pytest tests/e2e/test_deepspeed_versions.py``.
+
+The models have no frozen layer and no layer left out of some steps: with those, plain ZeRO-3 of
+DeepSpeed 0.16.9 to 0.18.9 on the CPU is not the same from one run to the next
+(docs/troubleshooting.md, an unsupported DeepSpeed); test_stream_parity.py covers them on the main
+suite's DeepSpeed."""
+
+import os
+import sys
+
+import deepspeed
+import pytest
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from harness import assert_bitwise_equal, launch_cases, two_ranks_unavailable
+from test_async_checkpoint import optimizer_files_equal
+from test_stream_parity import case_spec, check_case, variant_specs
+
+from deepspeed_offload import ConfigError
+from deepspeed_offload import config as cfgmod
+from deepspeed_offload.compat import SUPPORTED
+
+# The release the script made this environment for; without it (the main suite), these skip: the main
+# suite's own cases cover its DeepSpeed (test_stream_parity.py, test_async_checkpoint.py).
+EXPECTED = os.environ.get("DS_OFFLOAD_EXPECT_DEEPSPEED")
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(EXPECTED is None, reason="run by scripts/deepspeed-versions.sh, a DeepSpeed release "
+                                 "per environment (it sets DS_OFFLOAD_EXPECT_DEEPSPEED)"),
+              pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))]
+
+CASES = {
+    # one parameter per sub-group (they split unevenly, every one streams), two param groups,
+    # clipping; an asynchronous checkpoint at step 3 beside DeepSpeed's own, and its resume
+    "bf16_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, gas=2, clip=0.5),
+                      variants=["overlap", "overlap_off", "checkpoint", "resume", "colocate"]),
+    # fp32: the master may be the model's own partition; clipping that fires
+    "fp32_adam_clip": dict(spec=dict(dtype="fp32", sub_group_size=1, optimizer="torch_adam", clip=0.05),
+                           variants=["overlap", "overlap_off_no_prefetch", "colocate"]),
+}
+TAG = "t3"  # the checkpoint variant's save (variant_specs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case in one launch: ``{case: {variant: result}}``, and where the checkpoints went."""
+    ckpt = tmp_path_factory.mktemp("bf16_gas2")
+    cases = {}
+    for case in CASES:
+        named = []
+        for name, variant in variant_specs(case, ckpt, cases=CASES):
+            if name == "checkpoint":  # DeepSpeed's synchronous save of the same state, beside ours
+                variant["saves"] = [dict(variant["saves"][0], sync_dir=str(ckpt / "sync"))]
+            named.append((name, dict(case_spec(case, cases=CASES), **variant)))
+        cases[case] = named
+    return launch_cases(cases, tmp_path_factory.mktemp("versions"), "versions"), ckpt
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stream_mode_is_plain_zero3_bit_for_bit(runs, case):
+    results = check_case(case_spec(case, cases=CASES), runs[0][case])
+    if case == "bf16_gas2":
+        assert results["resume"]["loaded_into_store"] is True  # loaded straight into the host store
+
+
+def test_the_ranks_ran_this_deepspeed(runs):
+    for case, results in runs[0].items():
+        for name, result in results.items():
+            assert result["deepspeed"] == (deepspeed.__version__, deepspeed.__file__), (case, name)
+
+
+def test_async_checkpoint_is_deepspeeds_own_format(runs):
+    ckpt = runs[1]
+    assert (ckpt / "ckpt" / "latest").read_text() == TAG
+    assert optimizer_files_equal(ckpt / "ckpt", ckpt / "sync", TAG, which=".pt")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "ckpt"))
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / "sync"))
+    assert ours and ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_this_is_the_deepspeed_asked_for():
+    """The release the environment was made for, imported from the environment itself, and one of
+    the supported range."""
+    assert deepspeed.__version__ == EXPECTED
+    assert deepspeed.__file__.startswith(sys.prefix + os.sep), (deepspeed.__file__, sys.prefix)
+    assert Version(Version(deepspeed.__version__).base_version) in SpecifierSet(SUPPORTED), deepspeed.__version__
+
+
+def test_compile_mode_is_refused_naming_this_deepspeed():
+    """On the CPU compile mode cannot run; the error says why and names this DeepSpeed (its
+    DeepCompile needs CUDA, or it has no DeepCompile compile mode runs under)."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "compile": {"deepcompile": True}, "optimizer_state_offload": {"enabled": True, "mode": "compile"}}
+    with pytest.raises(ConfigError) as err:
+        cfgmod.validate(config)
+    assert err.value.path == "optimizer_state_offload.mode"
+    assert f"DeepSpeed {deepspeed.__version__}" in err.value.reason and "use mode 'stream'" in err.value.reason
