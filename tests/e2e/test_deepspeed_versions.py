@@ -24,7 +24,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from harness import assert_bitwise_equal, launch_cases, two_ranks_unavailable
+from harness import launch_cases, two_ranks_unavailable
 from test_async_checkpoint import optimizer_files_equal
 from test_stream_parity import case_spec, check_case, variant_specs
 

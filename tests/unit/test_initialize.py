@@ -8,7 +8,6 @@ import deepspeed
 import pytest
 import torch
 import torch.distributed as torch_dist
-from deepspeed.accelerator import get_accelerator
 
 import deepspeed_offload
 from deepspeed_offload import ConfigError, api
