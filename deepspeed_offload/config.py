@@ -109,17 +109,20 @@ def parse_block(ds_config: Dict[str, Any]) -> OffloadConfig:
 
 
 def _compile_supported() -> Tuple[bool, str]:
+    """Whether DeepCompile can run compile mode here, and every reason it cannot (a CPU machine with
+    an older DeepSpeed learns both)."""
     import torch
     from deepspeed.accelerator import get_accelerator
+    why = []
     if version.parse(torch.__version__.split("+")[0]) < version.parse(MIN_TORCH_FOR_COMPILE):
-        return False, f"DeepCompile needs torch >= {MIN_TORCH_FOR_COMPILE}, this is {torch.__version__}"
-    refusal = compile_mode_refusal(torch.__version__)
-    if refusal is not None:
-        return False, refusal
+        why.append(f"DeepCompile needs torch >= {MIN_TORCH_FOR_COMPILE}, this is {torch.__version__}")
+    else:
+        why.append(compile_mode_refusal(torch.__version__))
     name = get_accelerator().device_name()
     if name != "cuda":
-        return False, f"DeepCompile ({deepspeed_release()}) needs a CUDA accelerator, this one is '{name}'"
-    return True, ""
+        why.append(f"DeepCompile ({deepspeed_release()}) needs a CUDA accelerator, this one is '{name}'")
+    why = [w for w in why if w]
+    return not why, "; ".join(why)
 
 
 def validate(ds_config: Dict[str, Any], strict_when_disabled: bool = False,
