@@ -26,6 +26,7 @@ DEEPSPEED_VERSION = Version(deepspeed.__version__)
 DEEPCOMPILE = Version("0.16.6")  # deepspeed.compile, engine.compile() (#7154)
 PRECISION_CONFIG = Version("0.17.1")  # bf16/fp16 as pydantic models, deepspeed.runtime.precision_config (#6976)
 IPG_BUCKETS = Version("0.17.2")  # ZeRO-3's reduce buckets, one per dtype: optimizer.ipg_buckets (#6993)
+QUIET_LOGGER = Version("0.17.6")  # DeepSpeed's logger at warning level by default, set_log_level_from_string (#7526)
 TENSOR_BACKWARD = Version("0.18.3")  # a plain loss.backward() runs the engine's backward prologue (#7665)
 PASS_CONTRACTS = Version("0.19.3")  # DeepCompile's PassContract, register_compile_pass(..., contract) (#8139)
 PIN_EMPTY = Version("0.19.7")  # accelerator.pin_empty (#8211)
@@ -57,6 +58,14 @@ check_deepspeed_version()
 def deepspeed_release() -> str:
     """``DeepSpeed 0.16.9``: how messages name the installed release."""
     return f"DeepSpeed {deepspeed.__version__}"
+
+
+def show_info_logs():
+    """DeepSpeed's logger, through which every message of ours goes, at info level: from 0.17.6 it
+    starts at warning (set_log_level_from_string raises it); before, it starts at info."""
+    if at_least(QUIET_LOGGER):
+        from deepspeed.utils.logging import set_log_level_from_string
+        set_log_level_from_string("info")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_no_other_module_tells_deepspeed_releases_apart():
 
 def test_the_releases_compat_names_are_in_order():
     assert compat.DEEPCOMPILE < compat.OLDEST < compat.PRECISION_CONFIG < compat.IPG_BUCKETS \
-        < compat.TENSOR_BACKWARD < compat.PASS_CONTRACTS < compat.PIN_EMPTY
+        < compat.QUIET_LOGGER < compat.TENSOR_BACKWARD < compat.PASS_CONTRACTS < compat.PIN_EMPTY
     assert compat.DEEPSPEED_VERSION == Version(deepspeed.__version__)
 
 
@@ -125,3 +125,16 @@ def test_compile_mode_needs_the_deepcompile_that_runs_on_this_torch(monkeypatch,
     else:
         assert f"DeepSpeed {deepspeed_version}" in why and f"torch {torch_version}" in why
         assert f"pip install 'deepspeed>={needed},<0.20'" in why
+
+
+def test_show_info_logs_leaves_deepspeeds_logger_at_info():
+    import logging
+    from deepspeed.utils import logger
+    level = logger.level
+    try:
+        if compat.at_least(compat.QUIET_LOGGER):
+            logger.setLevel(logging.WARNING)  # its default there; before, it is at info as imported
+        compat.show_info_logs()
+        assert logger.getEffectiveLevel() == logging.INFO
+    finally:
+        logger.setLevel(level)
