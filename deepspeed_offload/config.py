@@ -16,6 +16,7 @@ from deepspeed.utils import logger
 from packaging import version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .compat import compile_mode_refusal, deepspeed_release
 from .ds_config import get_path, load_ds_config, resolve_config_source  # noqa: F401 (re-exported)
 from .errors import BLOCK, ConfigError, pydantic_error
 from .estimate import STATE_BYTES_PER_PARAM
@@ -113,14 +114,20 @@ def parse_block(ds_config: Dict[str, Any]) -> OffloadConfig:
 
 
 def _compile_supported() -> Tuple[bool, str]:
+    """Whether DeepCompile can run compile mode here, and every reason it cannot (a CPU machine with
+    an older DeepSpeed learns both)."""
     import torch
     from deepspeed.accelerator import get_accelerator
+    why = []
     if version.parse(torch.__version__.split("+")[0]) < version.parse(MIN_TORCH_FOR_COMPILE):
-        return False, f"DeepCompile needs torch >= {MIN_TORCH_FOR_COMPILE}, this is {torch.__version__}"
+        why.append(f"DeepCompile needs torch >= {MIN_TORCH_FOR_COMPILE}, this is {torch.__version__}")
+    else:
+        why.append(compile_mode_refusal(torch.__version__))
     name = get_accelerator().device_name()
     if name != "cuda":
-        return False, f"DeepCompile needs a CUDA accelerator, this one is '{name}'"
-    return True, ""
+        why.append(f"DeepCompile ({deepspeed_release()}) needs a CUDA accelerator, this one is '{name}'")
+    why = [w for w in why if w]
+    return not why, "; ".join(why)
 
 
 def validate(ds_config: Dict[str, Any], strict_when_disabled: bool = False,
@@ -234,7 +241,7 @@ def _cross_check(ds_config, offload: OffloadConfig, ds: DeepSpeedView) -> Plan:
                               "offload_param or use mode 'stream' (stream mode accepts it)")
         ok, why = _compile_supported()
         if not ok:
-            raise ConfigError(f"{BLOCK}.mode", f"compile mode is not possible here: {why}; use mode 'stream'")
+            raise ConfigError(f"{BLOCK}.mode", f"compile mode is not possible here: {why}; or use mode 'stream'")
 
     user_set = "sub_group_size" in ds.zero.model_fields_set  # "auto" is dropped by DeepSpeed: unset
     sub_group_size = int(ds.zero.sub_group_size) if user_set else offload.sub_group_size

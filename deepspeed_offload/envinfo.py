@@ -213,10 +213,11 @@ def probe_pin_test():
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    from .compat import pin_empty
     from .runtime import pinned
     acc = get_accelerator()
     buffers, stats = pinned.allocate({torch.uint8: PIN_TEST_BYTES}, {torch.uint8: [(0, PIN_TEST_BYTES)]},
-                                     pinned.make_pinner(acc, True), fallback=lambda n, dt: acc.pin_empty(n, dtype=dt))
+                                     pinned.make_pinner(acc, True), fallback=lambda n, dt: pin_empty(acc, n, dt))
     ok = acc.is_pinned(buffers[torch.uint8])
     del buffers
     if not ok:
@@ -253,11 +254,8 @@ def probe_deepcompile():
         raise Unavailable("this accelerator has no DeepCompileBuilder")
     if not builder.is_compatible(verbose=False):
         raise Unavailable("DeepCompileBuilder is not compatible with this system (ds_report says why)")
-    try:
-        from deepspeed.git_version_info import installed_ops
-        prebuilt = bool(installed_ops.get(builder.NAME, False))
-    except ImportError:
-        prebuilt = False
+    from deepspeed.git_version_info import installed_ops
+    prebuilt = bool(installed_ops.get(builder.NAME, False))
     t = time.perf_counter()
     try:
         builder.load(verbose=False)

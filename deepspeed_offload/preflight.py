@@ -13,6 +13,7 @@ from typing import Any, Dict, NamedTuple, Optional
 from deepspeed.utils import logger
 from pydantic import ValidationError
 
+from .compat import precision_config_builders, removed_config_keys
 from .ds_config import get_path
 from .errors import BLOCK, ConfigError, pydantic_error
 
@@ -29,7 +30,7 @@ class DeepSpeedView(NamedTuple):
     deprecated keys, "auto" values dropped, lax types such as "true" or 1e9)."""
     zero: Any  # deepspeed.runtime.zero.config.DeepSpeedZeroConfig
     compile: Any  # deepspeed.compile.config.CompileConfig
-    bf16: Any
+    bf16: Any  # None where DeepSpeed has no model for it (compat.precision_config_builders)
     fp16: Any
 
 
@@ -61,21 +62,21 @@ def _dict_section(ds_config, key):
 
 def _reject_removed_features(ds_config: Dict[str, Any]):
     """DeepSpeedConfig's first check: blocks and ZeRO keys of features DeepSpeed has removed."""
-    from deepspeed.runtime import config as ds_config_module
+    top_level, zero_keys = removed_config_keys()
     zero = ds_config.get("zero_optimization")
-    for prefix, keys, d in (("", "_REMOVED_TOP_LEVEL_CONFIG_KEYS", ds_config),
-                            ("zero_optimization.", "_REMOVED_ZERO_CONFIG_KEYS", zero)):
-        for key, why in getattr(ds_config_module, keys, {}).items():
+    for prefix, keys, d in (("", top_level, ds_config), ("zero_optimization.", zero_keys, zero)):
+        for key, why in keys.items():
             if isinstance(d, dict) and key in d:
                 raise ConfigError(f"{prefix}{key}", f"DeepSpeed refuses it: {why}")
 
 
 def deepspeed_view(ds_config: Dict[str, Any]) -> DeepSpeedView:
-    """``zero_optimization``, ``compile``, ``bf16`` and ``fp16`` through DeepSpeed's own models."""
+    """``zero_optimization``, ``compile``, ``bf16`` and ``fp16`` through DeepSpeed's own models
+    (``bf16`` and ``fp16`` are None on a DeepSpeed without models for them: compat.py)."""
     from deepspeed.compile.config import CompileConfig
-    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
     from deepspeed.runtime.zero.config import get_zero_config
     _reject_removed_features(ds_config)
+    precision = precision_config_builders()
 
     def zero(d):
         z = d.get("zero_optimization")
@@ -86,13 +87,14 @@ def deepspeed_view(ds_config: Dict[str, Any]) -> DeepSpeedView:
     def bf16(d):
         key = "bf16" if "bf16" in d else "bfloat16"  # DeepSpeed's old name, read when bf16 is absent
         _dict_section(d, key)
-        return get_bfloat16_config(d)
+        return precision[0](d)
 
     return DeepSpeedView(
         zero=_section(ds_config, "zero_optimization", zero),
         compile=_section(ds_config, "compile", lambda d: CompileConfig(**_dict_section(d, "compile"))),
-        bf16=_section(ds_config, "bf16" if "bf16" in ds_config else "bfloat16", bf16),
-        fp16=_section(ds_config, "fp16", lambda d: get_float16_config({"fp16": _dict_section(d, "fp16")})),
+        bf16=None if precision is None else _section(ds_config, "bf16" if "bf16" in ds_config else "bfloat16", bf16),
+        fp16=None if precision is None else _section(
+            ds_config, "fp16", lambda d: precision[1]({"fp16": _dict_section(d, "fp16")})),
     )
 
 

@@ -19,7 +19,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 import deepspeed_offload
-from deepspeed.utils.logging import set_log_level_from_string
+from deepspeed_offload.compat import show_info_logs
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
-    set_log_level_from_string("info")  # DeepSpeed logs at WARNING by default; info shows the offload lines
+    show_info_logs()  # DeepSpeed logs at WARNING by default (from 0.17.6 on); info shows the offload lines
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU())],
                                 torch.nn.Linear(args.hidden, 1))

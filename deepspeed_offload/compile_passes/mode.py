@@ -51,11 +51,8 @@ MARGIN = 0.2
 def _deepcompile_is_profiling() -> bool:
     """DeepCompile's profiler is running. Reads the extension only if DeepCompile loaded it: asking
     for the handle would build the extension (a minute of JIT) inside whatever op called us."""
-    try:
-        from deepspeed.compile import util
-    except Exception:  # no DeepCompile in this DeepSpeed/torch: never profiling
-        return False
-    handle = getattr(util, "dc_handle", None)
+    from deepspeed.compile import util
+    handle = util.dc_handle
     return handle is not None and bool(handle.is_profiling())
 
 

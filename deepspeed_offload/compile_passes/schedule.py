@@ -21,22 +21,30 @@ from typing import List, Tuple
 
 import torch
 
-from deepspeed.compile.passes import (offload_activation, offload_adam_states, offload_parameters, prefetch,
-                                      selective_gather, zero3_compile)
-from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
+from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
 from deepspeed.utils import logger
 
+from ..compat import register_compile_pass
 from . import ops
 from .planner import plan_kept, plan_reloads
 
 NAME = "deepspeed_offload_opt_states"
 Z3 = zero3_compile.NAME
 DEFAULT_PASSES_AFTER_WARMUP = [prefetch.NAME, selective_gather.NAME]
+# DeepCompile's passes that move the memory ours moves, by name: the later ones exist only in later
+# DeepSpeed releases, and a name a schedule does not hold conflicts with nothing.
 CONFLICTS = frozenset({
-    offload_adam_states.NAME, offload_adam_states.NAME_SYNC, offload_adam_states.NAME_FOR_INIT,
-    offload_parameters.NAME, offload_activation.NAME, offload_activation.FLOOR_NAME
+    "offload_adam_states", "offload_adam_states_sync", "offload_adam_states_for_init", "offload_parameters",
+    "offload_activation", "offload_activation_floor"
 })
-CONTRACT = PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=CONFLICTS, phase="both")
+
+
+def contract():
+    """Our pass's DeepCompile contract: after ZeRO-3's gather/release pass, never beside one of
+    ``CONFLICTS``. Only a DeepSpeed whose DeepCompile checks contracts asks for it
+    (compat.register_compile_pass)."""
+    from deepspeed.compile.passes.contract import CAP_Z3_GATHER_RELEASE, PassContract
+    return PassContract(requires=frozenset({CAP_Z3_GATHER_RELEASE}), conflicts_with=CONFLICTS, phase="both")
 
 
 def default_schedule(warmup: int) -> List[Tuple[int, List[str]]]:
@@ -184,7 +192,7 @@ def install(engine, mode):
     go through ``mode.patches``, so ``mode.detach()`` removes them with the rest."""
     from deepspeed.compile.init_z3 import WARMUP
     the_pass = OffloadPass(mode)
-    engine.register_compile_pass(NAME, the_pass, CONTRACT)
+    register_compile_pass(engine, NAME, the_pass, contract)
 
     def arranging(compile_fn):
 

@@ -42,6 +42,7 @@ import torch
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 
+from ..compat import drop_reduce_buffers
 from .host_store import MASTER, HostStore
 
 OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
@@ -119,12 +120,8 @@ class StateOffload:
             self._offload_lp_params(pin_memory, non_blocking)
         if LP_GRADS in wanted:
             self._offload_lp_grads(pin_memory, non_blocking)
-        if BUCKETS in wanted:
-            for bucket in opt.ipg_buckets.values():
-                if bucket.buffer is not None:  # DeepSpeed's reload makes an empty one of this shape
-                    bucket.buffer_meta = bucket.buffer.to("meta")
-                    bucket.buffer = None
-                    opt.offloaded_states.add(BUCKETS)
+        if BUCKETS in wanted and drop_reduce_buffers(opt):  # DeepSpeed's reload makes empty ones of their shape
+            opt.offloaded_states.add(BUCKETS)
         mode.acc.empty_cache()  # the rollout in this process or another sees the memory free
 
     def wait_for_copies(self):

@@ -24,6 +24,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
+from ..compat import pin_empty
 from ..errors import ConfigError
 from ..host_memory import BLOCK, HostPlan, check_host_plan, gpu_numa_node, local_ranks
 from . import pinned
@@ -91,7 +92,7 @@ class HostStore:
             self.buffers, self.pinning = pinned.allocate(
                 totals, bounds, pinned.make_pinner(acc, pin_memory), numa_node=node,
                 show_progress=os.environ.get("LOCAL_RANK", "0") == "0",
-                fallback=lambda n, dt: acc.pin_empty(n, dtype=dt))
+                fallback=lambda n, dt: pin_empty(acc, n, dt))
         except RuntimeError as e:
             raise ConfigError(what, f"{e}; or set pin_memory to false (slower copies)") from e
         if warn_pageable and not pin_memory and acc.device_name() != "cpu":

@@ -51,6 +51,12 @@ def tensors_equal(a, b, where=""):
     return True  # objects such as the loss scaler are compared through the tensors they produce
 
 
+def recovery_scripts(runs):
+    """The scripts this DeepSpeed's own save copies beside its checkpoints (its synchronous save in
+    ``runs``)."""
+    return sorted(n for n in os.listdir(runs["tmp"] / "s") if n.endswith(".py"))
+
+
 def optimizer_files_equal(dir_a, dir_b, tag, which="optim_states"):
     names = [n for n in files_of(dir_a, tag) if which in n]
     assert names and names == [n for n in files_of(dir_b, tag) if which in n]
@@ -103,7 +109,10 @@ def test_async_files_equal_sync_files(runs):
     flat = torch.load(tmp / "a" / "slow3" / f"bf16_zero_pp_rank_{last}_mp_rank_00_optim_states.pt",
                       weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"]
     assert flat and all(t.requires_grad for t in flat)  # pickled as DeepSpeed's own save pickles them
-    assert sorted(os.listdir(tmp / "a")) == ["latest", "slow3", "zero_to_fp32.py", "zero_to_torch.py"]
+    # beside the tag, what DeepSpeed's own save leaves: latest and its recovery scripts (zero_to_fp32.py;
+    # zero_to_torch.py too from 0.19.7 on)
+    assert sorted(os.listdir(tmp / "a")) == sorted(os.listdir(tmp / "s"))
+    assert "zero_to_fp32.py" in recovery_scripts(runs)
     assert ck.verify_checkpoint(str(tmp / "a" / "slow3")) is None
     # DeepSpeed's own converter reads the async checkpoint
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -164,5 +173,6 @@ def test_damaged_truncated_mixed_and_disk_full_on_both_ranks(runs):
         assert out["latest_after_full"] == "t" and out["after_full"] is None
     assert "rank 1's write failed" in seen[0]["full"]  # rank 0 wrote its files; its commit names rank 1
     # the failed save is gone once both ranks agreed it failed, without waiting for a later save
-    assert seen[0]["left_after_full"] == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]
-    assert seen[0]["left_after_next"] == ["latest", "t", "t2", "zero_to_fp32.py", "zero_to_torch.py"]
+    scripts = recovery_scripts(runs)
+    assert seen[0]["left_after_full"] == ["latest", "t", *scripts]
+    assert seen[0]["left_after_next"] == ["latest", "t", "t2", *scripts]

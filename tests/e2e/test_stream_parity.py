@@ -18,6 +18,7 @@ import pytest
 from deepspeed.accelerator import get_accelerator
 
 from harness import assert_bitwise_equal, case_results, gpus, launch, launch_cases, slow_writes, two_ranks_unavailable
+from parity_train import refused_calls
 
 pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
@@ -90,11 +91,11 @@ CASES = {
 }
 
 
-def variant_specs(case, tmp_path):
-    """The variants parity_train.py runs, plain ZeRO-3 first; and their names."""
-    extra = CASES[case].get("offload", {})
+def variant_specs(case, tmp_path, cases=CASES):
+    """The variants parity_train.py runs for ``cases[case]``, plain ZeRO-3 first; and their names."""
+    extra = cases[case].get("offload", {})
     out = [("plain", {"api": "deepspeed"})]
-    for name in CASES[case]["variants"]:
+    for name in cases[case]["variants"]:
         if name.startswith("deferred") and not ON_CPU:
             continue  # the deferred executor stands in for a GPU's streams on the CPU accelerator
         if name == "detach":
@@ -122,8 +123,8 @@ def variant_specs(case, tmp_path):
     return out
 
 
-def case_spec(case, steps=6, **overrides):
-    return dict(CASES[case]["spec"], steps=steps, **overrides)
+def case_spec(case, steps=6, cases=CASES, **overrides):
+    return dict(cases[case]["spec"], steps=steps, **overrides)
 
 
 def run_case(tmp_path, case, nprocs=2, **overrides):
@@ -197,7 +198,8 @@ def check_colocation(spec, name, ours):
         assert cycles[2]["checkpoint_pending"], cycles[2]  # the write of step 3's save was in flight  # the resident ones did move
     if "refusals" in ours:
         r = ours["refusals"]
-        for call in ("step", "backward", "tensor_backward", "load_state_dict", "load_checkpoint", "detach"):
+        assert set(refused_calls()) <= r.keys(), r
+        for call in refused_calls():
             assert r[call] and "StatesOffloaded" in r[call] and "reload_states() first" in r[call], (call, r)
         assert r["unchanged"], r  # nothing refused changed the masters or the step count
         assert r["still_offloaded"] == ["hp_params", "optim_states"], r

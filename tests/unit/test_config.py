@@ -12,6 +12,7 @@ from ds_configs import GOOD, with_
 from deepspeed_offload import ConfigError, OffloadConfig
 from deepspeed_offload import config as cfgmod
 from deepspeed_offload.cli import main as cli_main
+from deepspeed_offload.compat import PRECISION_CONFIG, at_least, deepspeed_release
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,6 +215,11 @@ def test_deprecated_aliases_resolved_as_deepspeed_does(monkeypatch):
     assert cfgmod.validate(with_(zero_optimization__stage=3.0)).mode == "stream"
     with pytest.raises(ConfigError, match='"auto", which DeepSpeed reads as 0'):
         cfgmod.validate(with_(zero_optimization__stage="auto"))
+
+
+@pytest.mark.skipif(not at_least(PRECISION_CONFIG), reason=f"DeepSpeed checks the bf16 section from "
+                    f"{PRECISION_CONFIG} on, this is {deepspeed_release()}")
+def test_the_old_bf16_name_is_checked_as_deepspeed_reads_it():
     # the old "bfloat16" section name is read (and checked) when "bf16" is absent
     with pytest.raises(ConfigError) as err:
         cfgmod.validate(with_(bfloat16={"enabled": "maybe"}))
