@@ -6,8 +6,8 @@ it adds to the ds_config and, for our modes, its resident budget (``memory_budge
 in the benchmark looks at a mode's name: the worker, the report and the charts read these fields.
 
 Names: the fixed ones in ``FIXED``; the budget families ``compile_offload@B``, ``stream@B`` (overlap
-off) and ``stream_overlap@B`` (overlap on), B a number of GiB or ``default`` (null: derived from the
-card); the shorthands ``all`` and the sweeps (``compile_sweep``, ``stream_sweep``,
+off), ``stream_overlap@B`` (overlap on, speculation off) and ``default@B`` (the block at its defaults but
+``memory_budget_gb``), B a number of GiB or ``default`` (null: measured on the card); the shorthands ``all`` and the sweeps (``compile_sweep``, ``stream_sweep``,
 ``stream_overlap_sweep``: one NAME@B per ``--budgets`` entry); and the older names of ``ALIASES``,
 still accepted because docs and committed JSON use them.
 """
@@ -121,7 +121,7 @@ def _fixed(name, settings):
 FIXED = ["bandwidth", "resident", "default", "stream", "stream_overlap", "stream_speculate", "stream_prefetch",
          "offload_states", "zero_offload",
          "colocate", "colocate_stream", "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
-FAMILIES = ["compile_offload", "stream", "stream_overlap"]
+FAMILIES = ["compile_offload", "stream", "stream_overlap", "default"]
 
 
 def _budget_mode(name, family, budget, settings):
@@ -133,9 +133,12 @@ def _budget_mode(name, family, budget, settings):
                  "compile": {"deepcompile": True, "offload_opt_states": False}}
         return Mode(name=name, offloads=OUR_STATE_COMPILED, baseline="compiled",
                     compiled=True, budget_gb=gb, family=family, against_floor=True, config=_frozen(block))
-    overlap = dict(overlap=True, overlap_memory_gb=settings.overlap_memory_gb, speculate_memory_gb=0) \
-        if family == "stream_overlap" else dict(overlap=False, prefetch=False)
-    block = _stream_block(settings, **overlap)
+    if family == "default":  # what a user gets who sets only the budget: overlap and speculation on
+        block = {"optimizer_state_offload": {"enabled": True, "sub_group_mb": settings.sub_group_mb}}
+    else:
+        overlap = dict(overlap=True, overlap_memory_gb=settings.overlap_memory_gb, speculate_memory_gb=0) \
+            if family == "stream_overlap" else dict(overlap=False, prefetch=False)
+        block = _stream_block(settings, **overlap)
     block["optimizer_state_offload"]["memory_budget_gb"] = gb
     return Mode(name=name, offloads=OUR_STATE if gb == 0 else OUR_STATE_BUDGET, baseline="resident", budget_gb=gb,
                 family=family, against_floor=True, traced=True, config=_frozen(block))

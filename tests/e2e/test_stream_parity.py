@@ -299,7 +299,8 @@ def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
 
 GPU_ONE_RANK = [("one_param_per_sub_group", "fused_adam"), ("few_large_sub_groups_gas2", "fused_adam"),
                 ("fp16_forced_overflow", "fused_adam"), ("fp32_adam_clip", "fused_adam"),
-                ("bf16_skipped_step", "fused_adam"), ("one_param_per_sub_group", "torch_adamw")]
+                ("bf16_skipped_step", "fused_adam"), ("one_param_per_sub_group", "torch_adamw"),
+                ("plan_moves", "fused_adam"), ("plan_moves_gas2", "fused_adam")]
 
 
 @pytest.mark.gpu
