@@ -90,6 +90,7 @@ def _peak(r):
 
 # The budget families drawn as lines, and the modes drawn beside them as single points.
 FAMILY_LABELS = {"compile_offload": "deepspeed-offload compile mode, by memory_budget_gb",
+                 "default": "deepspeed-offload at its defaults, by memory_budget_gb",
                  "stream": "deepspeed-offload stream mode, overlap off, by memory_budget_gb",
                  "stream_overlap": "deepspeed-offload stream mode, overlap on, by memory_budget_gb"}
 REFERENCES = {"compile_offload": (("dc_offload_opt_states", "s"), ("dc_offload_opt_states_full", "D"),

@@ -59,6 +59,29 @@ def _earlier_results(args):
     return {m: r for m, r in done["results"].items() if "error" not in r or r.get("oom")}
 
 
+def merge_runs(paths):
+    """One summary from several bench.json files, for the charts: the first file's arguments, each
+    mode from the first file that measured it, the date every run's date (``2026-12-02, 2026-12-03``).
+    Raises ValueError when the files are not runs of one model at one batch (their points would not
+    belong on one chart)."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    same = ("model", "preset", "batch", "seq", "grad_ckpt", "layers", "hidden")
+    first = runs[0]["args"]
+    for path, run in zip(paths[1:], runs[1:]):
+        diff = [k for k in same if run["args"].get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"{path} is another model or batch than {paths[0]} ({', '.join(diff)} differ)")
+    summary = dict(runs[0], results={})
+    for run in runs:
+        for mode, result in run["results"].items():
+            summary["results"].setdefault(mode, result)
+    summary["date"] = ", ".join(dict.fromkeys(run["date"] for run in runs))
+    return summary
+
+
 def parse_timeouts(text, names):
     """``--timeout``: ``SECONDS`` for every mode, with ``MODE=SECONDS`` entries for single modes
     (``900,zero_offload=1800``) -> {mode name: seconds} for ``names``. Raises ValueError."""
@@ -184,6 +207,15 @@ def run(args, argv):
     if args.worker:
         from .worker import work
         return work(args)
+    if args.charts_from:
+        if not (args.plot or args.timeline):
+            return _refuse("--charts-from draws charts: give --plot PNG, --timeline PNG or both")
+        try:
+            summary = merge_runs(args.charts_from)
+        except (OSError, ValueError, KeyError) as e:
+            return _refuse(f"--charts-from: {e}")
+        draw(summary, args)
+        return 0
     if args.rounds < 1 or (args.rounds > 1 and args.resume):
         return _refuse("--rounds takes a whole number from 1, and more than one round runs every mode afresh "
                        "(not with --resume)")

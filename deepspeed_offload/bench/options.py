@@ -79,6 +79,9 @@ def build_parser(ap=None):
                     help="run every iteration of " + TIMELINE_HELP + " under the CUDA allocator's history recorder "
                     "(slower) and list each time it reserved more after the first iteration (a segment, or pages of an "
                     "expandable one): its size, iteration, phase, and DeepSpeed's or our call that needed it")
+    ap.add_argument("--charts-from", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: draw --plot/--timeline from these bench.json files (a committed run, or several "
+                    "of one model: each mode from the first file that has it, the title giving every run's date)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap

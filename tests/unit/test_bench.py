@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_runs import RUNS
+from bench_runs import RESULTS, RUNS
 from deepspeed_offload.bench import charts, driver, models, modes, options
 from deepspeed_offload.bench import report as reporting
 from deepspeed_offload.bench import timeline
@@ -550,9 +550,36 @@ def test_a_committed_run_measured_every_mode_it_asked_for():
 
 @pytest.mark.parametrize("path", RUNS, ids=lambda p: p.name)
 def test_the_chart_draws_every_committed_run(tmp_path, path):
-    """Runs with failed modes (run 4) and with every mode (run 5), floor marks included."""
-    charts.plot(json.loads(path.read_text()), tmp_path / "c.png")
+    """Runs with failed modes (run 4) and with every mode (run 5), floor marks included; the budget
+    sweep of every run that has a budget family (default@B among them)."""
+    run = json.loads(path.read_text())
+    charts.plot(run, tmp_path / "c.png")
     assert png(tmp_path / "c.png")
+    settings = reporting.settings_of(run)
+    swept = any("iter_s" in r and getattr(modes.lookup(name, settings), "family", None)
+                for name, r in run["results"].items())
+    assert charts.plot_sweep(run, tmp_path / "s.png") == swept
+    assert (tmp_path / "s.png").exists() == swept
+
+
+def test_charts_from_committed_runs_of_one_model(tmp_path, capsys):
+    """The 7B memory-speed curve of docs/benchmarks.md: budgets from one run, the default plan and the
+    peers from another; drawn without a GPU. Runs of another model are refused, and so is nothing to draw."""
+    results = RESULTS
+    seven = [str(results / f) for f in ("llama-7b-2026-12-02-curve.json", "llama-7b-2026-12-03-default.json",
+                                        "llama-7b-2026-12-03-peers.json")]
+    out = tmp_path / "curve.png"
+    assert driver.main(["--charts-from", *seven, "--plot", str(out)]) == 0
+    assert png(out) and png(tmp_path / "curve-sweep.png")
+    merged = driver.merge_runs(seven)
+    assert merged["date"] == "2026-12-02, 2026-12-03"
+    assert {"default@0", "default@16", "default@32", "default@48", "default@default", "resident", "zero_offload",
+            "offload_states"} <= set(merged["results"])
+    assert merged["results"]["default@0"] == json.loads(Path(seven[0]).read_text())["results"]["default@0"]
+    assert driver.main(["--charts-from", seven[0], str(results / "llama-13b-2026-12-03-default.json"),
+                        "--plot", str(tmp_path / "x.png")]) == 2
+    assert "another model or batch" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+    assert driver.main(["--charts-from", seven[0]]) == 2
 
 
 def start_worker(tmp_path, launcher, mode, *extra):
