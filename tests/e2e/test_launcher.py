@@ -21,10 +21,11 @@ def test_disabled_block_matches_deepspeed_initialize(tmp_path):
     assert "handle" not in disabled
 
 
-# The main job once, then its exit path again and again: on gloo an abort at interpreter exit
-# ("terminate called without an active exception") hit one run in a few of the main job as it
-# ended before deepspeed_offload.finish (teardown.py says why); every run must exit 0.
-EXIT_RUNS = 8
+# The main job once, then its exit path again: on gloo an abort at interpreter exit ("terminate
+# called without an active exception") hit one run in a few of the main job as it ended before
+# deepspeed_offload.finish (teardown.py says why); every run must exit 0. Five exits in all catch an
+# abort of one run in three 87 times in 100.
+EXIT_RUNS = 4
 
 
 @needs_two_ranks

@@ -336,6 +336,41 @@ COMPILE_OPS_CASES = {
 }
 
 
+def _against_plain(spec, *variants, plain_drops=("compile_ops",)):
+    """A case of ``compile_runs``: plain ZeRO-3 (``spec`` less ``plain_drops``), then ``spec`` with each
+    of ``variants`` ({} for ``spec`` itself), each a whole spec of its own."""
+    plain = dict({k: v for k, v in spec.items() if k not in plain_drops}, compile_ops=None)
+    plain.update({k: None for k in plain_drops if k != "compile_ops"})
+    return [("plain", plain)] + [(name, dict(spec, **variant)) for name, variant in variants]
+
+
+def _reader_spec(keep):
+    spec = dict(COMPILE_OPS_CASES["reload_all_one_param_per_sub_group"], steps=5, api="deepspeed",
+                read_before_step_at=2)
+    spec.pop("overflow_step")
+    spec["compile_ops"] = {"reload": "all", "keep": keep}
+    return spec
+
+
+KEEP_LATE = dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, steps=5, api="deepspeed",
+                 compile_ops={"reload": "all", "keep": "all", "keep_late": True})
+COLOCATE = dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, steps=5, api="deepspeed",
+                compile_ops={"reload": "all", "keep": 3}, colocate={"refusals": True})
+
+
+@pytest.fixture(scope="module")
+def compile_runs(tmp_path_factory):
+    """The compile-mode runtime cases below against plain ZeRO-3, all in one launch (each variant
+    still trains from the same seed in an engine of its own): ``{case: {name: result}}``."""
+    cases = {f"runtime_{name}": _against_plain(dict(spec, steps=6, api="deepspeed"), ("ours", {}),
+                                               ("deferred", {"copies": "deferred"}))
+             for name, spec in COMPILE_OPS_CASES.items()}
+    cases.update({f"read_{keep}": _against_plain(_reader_spec(keep), ("ours", {})) for keep in ("all", 3)})
+    cases["keep_late"] = _against_plain(KEEP_LATE, ("ours", {}))
+    cases["colocate"] = _against_plain(COLOCATE, ("ours", {}), plain_drops=("compile_ops", "colocate"))
+    return launch_cases(cases, tmp_path_factory.mktemp("compile_runs"), "compile_runs")
+
+
 @needs_two_ranks
 def test_a_step_that_raises_writes_compile_modes_kept_state_back(tmp_path):
     """The update of a sub-group that compile mode keeps on the device raises: its device copy (the
@@ -353,17 +388,12 @@ def test_a_step_that_raises_writes_compile_modes_kept_state_back(tmp_path):
 
 @pytest.mark.parametrize("keep", ["all", 3])
 @needs_two_ranks
-def test_a_reader_between_backward_and_step_leaves_compile_modes_kept_state_kept(tmp_path, keep):
+def test_a_reader_between_backward_and_step_leaves_compile_modes_kept_state_kept(compile_runs, keep):
     """A reader of host state (``state_dict``) between the last backward and the step writes the
     kept sub-groups back; the step loads them into buffers of their own again, beside the ones
     prefetch put into the slots, updates them there (bit for bit) and they stay on the device."""
-    spec = dict(COMPILE_OPS_CASES["reload_all_one_param_per_sub_group"], steps=5, api="deepspeed",
-                read_before_step_at=2)
-    spec.pop("overflow_step")
-    spec["compile_ops"] = {"reload": "all", "keep": keep}
-    plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
-    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}]), tmp_path, f"read_{keep}")
-    plain, ours = out["variants"]
+    results = case_results(compile_runs, f"read_{keep}")
+    plain, ours = results["plain"], results["ours"]
     assert_bitwise_equal(plain, ours)
     handle = ours["handle"]
     nbytes = dict(zip(handle["order"], handle["nbytes"]))
@@ -378,16 +408,13 @@ def test_a_reader_between_backward_and_step_leaves_compile_modes_kept_state_kept
 
 
 @needs_two_ranks
-def test_compile_mode_keeps_what_prefetch_loaded_before_the_pass_decided(tmp_path):
+def test_compile_mode_keeps_what_prefetch_loaded_before_the_pass_decided(compile_runs):
     """As on a GPU, where DeepCompile compiles backward (and the pass decides what stays) after the
     first backward's prologue: prefetch has put the step's first two sub-groups into the slots, so
     that step writes them back; the next step's reloads bring them into buffers of their own, and
     from the third step on nothing moves."""
-    spec = dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, steps=5, api="deepspeed",
-                compile_ops={"reload": "all", "keep": "all", "keep_late": True})
-    plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
-    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}]), tmp_path, "keep_late")
-    plain, ours = out["variants"]
+    results = case_results(compile_runs, "keep_late")
+    plain, ours = results["plain"], results["ours"]
     assert_bitwise_equal(plain, ours)
     handle = ours["handle"]
     nbytes = dict(zip(handle["order"], handle["nbytes"]))
@@ -398,15 +425,12 @@ def test_compile_mode_keeps_what_prefetch_loaded_before_the_pass_decided(tmp_pat
 
 
 @needs_two_ranks
-def test_compile_mode_colocation(tmp_path):
+def test_compile_mode_colocation(compile_runs):
     """offload_states()/reload_states() after every step in compile mode: the sub-groups kept on the
     device are written back to the host store (nothing else of ours moves), come back into buffers
     of their own, where the next step updates them, and training is plain ZeRO-3 bit for bit."""
-    spec = dict(dtype="bf16", sub_group_size=1, two_groups=True, late=True, clip=0.5, steps=5, api="deepspeed",
-                compile_ops={"reload": "all", "keep": 3}, colocate={"refusals": True})
-    plain_spec = {k: v for k, v in spec.items() if k not in ("compile_ops", "colocate")}
-    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None, colocate=None), {}]), tmp_path, "colocate")
-    plain, ours = out["variants"]
+    results = case_results(compile_runs, "colocate")
+    plain, ours = results["plain"], results["ours"]
     assert_bitwise_equal(plain, ours)
     handle = ours["handle"]
     nbytes = dict(zip(handle["order"], handle["nbytes"]))
@@ -431,16 +455,14 @@ def test_compile_mode_colocation(tmp_path):
 
 @pytest.mark.parametrize("name", list(COMPILE_OPS_CASES))
 @needs_two_ranks
-def test_compile_mode_runtime_parity(tmp_path, name):
+def test_compile_mode_runtime_parity(compile_runs, name):
     """Compile mode's runtime (reload into own buffers, update there, keep there or write back at the
     next forward's head), driven through torch.ops.ds_offload where the compiled graphs would call
     it, is plain ZeRO-3 bit for bit, and kept sub-groups do not move between the steps of a phase.
     DeepCompile itself needs CUDA: test_compile_parity.py runs it on a GPU."""
     spec = dict(COMPILE_OPS_CASES[name], steps=6, api="deepspeed")
-    plain_spec = {k: v for k, v in spec.items() if k != "compile_ops"}
-    out = launch(dict(spec, variants=[dict(plain_spec, compile_ops=None), {}, {"copies": "deferred"}]), tmp_path,
-                 name)
-    plain, ours, deferred = out["variants"]
+    results = case_results(compile_runs, f"runtime_{name}")
+    plain, ours, deferred = results["plain"], results["ours"], results["deferred"]
     assert_bitwise_equal(plain, ours)
     # with the copies as late as a GPU may run them (deferred_copies.py): the ops' waits order them
     assert_bitwise_equal(plain, deferred)
