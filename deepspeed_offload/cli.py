@@ -174,8 +174,9 @@ def _split(ns, ranks_per_node: int):
     if device is None or ns.iteration_memory_gb is None:
         return None
     host_cap, state = _host_cap(ns, ranks_per_node), state_bytes_per_rank(ns.params, ns.world_size)
-    out = split(state, host_cap, device, int(ns.iteration_memory_gb * 2**30))
-    out["largest_params"] = largest_params(ns.world_size, host_cap, device, out["iteration"], state)
+    margin = None if ns.margin_gb is None else int(ns.margin_gb * 2**30)
+    out = split(state, host_cap, device, int(ns.iteration_memory_gb * 2**30), margin)
+    out["largest_params"] = largest_params(ns.world_size, host_cap, device, out["iteration"], state, out["margin"])
     return out
 
 
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "plan logs after the second step), for the split of the state between the GPU and the host")
     est.add_argument("--device-memory-gb", type=positive_float, default=None,
                      help="the GPU's memory (default: this machine's first CUDA device), or max_device_memory_gb")
+    est.add_argument("--margin-gb", type=positive_float, default=None,
+                     help="device memory the plan leaves free below the limit (default: the plan's first margin, 3%% "
+                     "of the device and at least 1 GiB; the measured plan logs its own, wider after give-backs)")
     est.add_argument("--host-memory-gb", type=positive_float, default=None,
                      help="the node's available host memory (default: this host's MemAvailable and cgroup limit)")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -251,7 +251,8 @@ class MeasuredPlan:
                  f"optimizer state resident ({resident} sub-groups, {len(self.promoted)} of them since the "
                  f"measurement), {format_bytes(streamed)} streamed; the measured iteration's peak: "
                  f"{format_bytes(self.measured_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
-                 f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f}); "
+                 f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f} "
+                 f"--margin-gb {self.margin / GiB:.1f}); "
                  f"limit {format_bytes(self.limit)} ({limit}) less a margin of {format_bytes(self.margin)}", ranks=[0])
 
     def after_step(self, reserved: int, nbytes: Callable[[int], int]) -> List[int]:
@@ -291,12 +292,13 @@ def node_plan_for(state: int, ranks: int, memory: HostMemory, budget_store: int 
 PARTITION_BYTES_PER_PARAM = 4
 
 
-def split(state: int, host_cap: int, device: int, iteration: int) -> dict:
+def split(state: int, host_cap: int, device: int, iteration: int, margin: Optional[int] = None) -> dict:
     """The measured plan's split of one rank's ``state`` bytes, before anything runs: the host holds at
     most ``host_cap``, the device keeps what fits below ``device`` less the margin and ``iteration``
     (what the iteration needs besides the state: partitions, activations, slots; the figure the plan
-    logs). ``fits``: the part the host cannot hold fits on the device."""
-    margin = margin_bytes(device)
+    logs). ``margin``: the plan's first one (``margin_bytes``) unless given (the one a plan logged
+    after give-backs widened it). ``fits``: the part the host cannot hold fits on the device."""
+    margin = margin_bytes(device) if margin is None else margin
     room = device - margin - iteration
     floor = max(0, state - host_cap)
     resident = min(state, max(floor, room))
@@ -304,14 +306,16 @@ def split(state: int, host_cap: int, device: int, iteration: int) -> dict:
             "resident": resident, "streamed": state - resident, "fits": floor <= room}
 
 
-def largest_params(world: int, host_cap: int, device: int, iteration: int, state_now: int) -> int:
+def largest_params(world: int, host_cap: int, device: int, iteration: int, state_now: int,
+                   margin: Optional[int] = None) -> int:
     """The most parameters whose state fits one rank's host share and device together, given
     ``iteration`` measured (or given) with ``state_now`` bytes of state per rank: the iteration's
     partitions grow with the model (``PARTITION_BYTES_PER_PARAM``), the rest (activations) is taken as it is."""
     params_now = state_now // STATE_BYTES_PER_PARAM
     other = max(0, iteration - PARTITION_BYTES_PER_PARAM * params_now)
     per_param = STATE_BYTES_PER_PARAM + PARTITION_BYTES_PER_PARAM
-    return max(0, (host_cap + device - margin_bytes(device) - other) // per_param) * world
+    margin = margin_bytes(device) if margin is None else margin
+    return max(0, (host_cap + device - margin - other) // per_param) * world
 
 
 def device_limit(acc, max_device_memory_gb: Optional[float]) -> int:

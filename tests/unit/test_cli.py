@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from bench_runs import RUNS
+from bench_runs import RESULTS, RUNS
 from deepspeed_offload.cli import digest_throughput
 from deepspeed_offload.cli import main as cli_main
 
@@ -114,6 +114,23 @@ def test_estimate_splits_the_state_between_the_gpu_and_the_host(capsys):
     assert 0 <= place["host_cap"] + int(139.8 * gib) - place["margin"] - fill < 16
     assert cli_main(["estimate", "--params", "13000000000", *args[:-2], "--host-memory-gb", "30"]) == 0
     assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_estimate_takes_the_margin_a_plan_logged(capsys):
+    """The 13B at 4 x 4096 on one H200 (llama-13b-2026-12-03-default.json): two give-backs widened the
+    plan's margin; with the figures its log line names, iteration and margin, the estimate's split is
+    within 10% of the plan's, and without the margin it is not (the first margin is narrower)."""
+    run = json.loads((RESULTS / "llama-13b-2026-12-03-default.json").read_text())
+    result = run["results"]["default"]
+    plan, gib = result["plan"], 2**30
+    args = ["--params", str(result["params"]), "--bandwidth", "50", "--device-memory-gb", f"{plan['limit_GiB']:.2f}",
+            "--host-memory-gb", "123.74", "--iteration-memory-gb", f"{plan['iteration_GiB']:.2f}"]
+    widened = estimate(capsys, *args, "--margin-gb", f"{plan['margin_GiB']:.2f}")["placement"]
+    first = estimate(capsys, *args)["placement"]
+    assert widened["margin"] == int(round(plan["margin_GiB"], 2) * gib) and first["margin"] < widened["margin"]
+    assert abs(widened["resident"] / gib - plan["resident_GiB"]) <= 0.1 * plan["resident_GiB"]
+    assert abs(first["resident"] / gib - plan["resident_GiB"]) > 0.1 * plan["resident_GiB"]
+    assert widened["largest_params"] < first["largest_params"]
 
 
 def test_check_shows_each_ranks_store_and_speculations_share(capsys, fake_host, tmp_path):
