@@ -216,7 +216,7 @@ def probe_pin_test():
     from .compat import pin_empty
     from .runtime import pinned
     acc = get_accelerator()
-    buffers, stats = pinned.allocate({torch.uint8: PIN_TEST_BYTES}, {torch.uint8: [(0, PIN_TEST_BYTES)]},
+    buffers, stats, _ = pinned.allocate({torch.uint8: PIN_TEST_BYTES}, {torch.uint8: [(0, PIN_TEST_BYTES)]},
                                      pinned.make_pinner(acc, True), fallback=lambda n, dt: pin_empty(acc, n, dt))
     ok = acc.is_pinned(buffers[torch.uint8])
     del buffers

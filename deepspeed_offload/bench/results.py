@@ -156,8 +156,9 @@ def torch_pinned_bytes():
 
 
 def host_pinned(handle):
-    """The host memory pinned for the state: our host store's size, the seconds its pinning took
-    and the rate, for our modes; for the others, torch's pinned allocator's figure (``pin_s``
+    """The host memory pinned for the state: for our modes, what our host store holds locked now (the
+    measured plan gives back what it made resident), its size at attach, the seconds its pinning took
+    and the rate; for the others, torch's pinned allocator's figure (``pin_s``
     unknown). ``torch_pinned_GiB``: that figure for every mode (ours included)."""
     torch_bytes = torch_pinned_bytes()
     torch_gib = None if torch_bytes is None else torch_bytes / GiB
@@ -165,8 +166,8 @@ def host_pinned(handle):
     if store is None:
         return {"host_pinned_GiB": torch_gib, "pin_s": None, "pin_GiBps": None, "torch_pinned_GiB": torch_gib}
     gib, pin_s = store.nbytes / GiB, store.pinning.seconds
-    return {"host_pinned_GiB": gib, "pin_s": pin_s, "pin_GiBps": gib / pin_s if pin_s else None,
-            "pinned_with": store.pinning.kind, "torch_pinned_GiB": torch_gib}
+    return {"host_pinned_GiB": store.pinned_bytes / GiB, "host_pinned_at_attach_GiB": gib, "pin_s": pin_s,
+            "pin_GiBps": gib / pin_s if pin_s else None, "pinned_with": store.pinning.kind, "torch_pinned_GiB": torch_gib}
 
 
 def rank_record(rank, out):

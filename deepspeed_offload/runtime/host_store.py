@@ -18,7 +18,7 @@ the current side as it was. ``region``/``view`` always name the current side unl
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -89,15 +89,50 @@ class HostStore:
             bounds[dt].sort()
         node = gpu_numa_node(acc.current_device()) if acc.device_name() == "cuda" else None
         try:
-            self.buffers, self.pinning = pinned.allocate(
+            self.buffers, self.pinning, self.slabs = pinned.allocate(
                 totals, bounds, pinned.make_pinner(acc, pin_memory), numa_node=node,
                 show_progress=os.environ.get("LOCAL_RANK", "0") == "0",
                 fallback=lambda n, dt: pin_empty(acc, n, dt))
         except RuntimeError as e:
             raise ConfigError(what, f"{e}; or set pin_memory to false (slower copies)") from e
+        # slab -> the sub-groups with a region in it (either side); sub-group -> its slabs
+        self.released: Set[int] = set()
+        self._slab_members: List[Set[int]] = [set() for _ in self.slabs.slabs]
+        self._slabs_of: Dict[int, List[int]] = {sg: [] for sg in layout}
+        for k, (dt, lo, hi) in enumerate(self.slabs.slabs):
+            for side in self.sides:
+                for sg, regions in side.items():
+                    if dt in regions:
+                        start, numel = regions[dt]
+                        if lo <= start * size[dt] < hi:
+                            self._slab_members[k].add(sg)
+                            self._slabs_of[sg].append(k)
         if warn_pageable and not pin_memory and acc.device_name() != "cpu":
             logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
                            "fraction of the link speed, and the step will be slower")
+
+    def release(self, sub_groups: Iterable[int]):
+        """These sub-groups' state lives on the device from now on (the measured plan made them
+        resident): every slab that holds only released sub-groups is unlocked and its memory given
+        back to the host. Their regions read as zeros until ``reacquire``."""
+        self.released |= {int(i) for i in sub_groups if i in self._slabs_of}
+        for k, members in enumerate(self._slab_members):
+            if members and members <= self.released:
+                self.slabs.release(k)
+
+    def reacquire(self, sub_groups: Iterable[int]):
+        """These sub-groups stream again: their slabs are locked (memory held again) before their
+        state is written into their regions."""
+        for i in sub_groups:
+            if i in self.released:
+                self.released.discard(i)
+                for k in self._slabs_of[i]:
+                    self.slabs.lock(k)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The store's bytes locked now: all of it, less the slabs released."""
+        return self.nbytes - self.slabs.released_bytes
 
     @property
     def regions(self) -> Dict[int, Dict[torch.dtype, Tuple[int, int]]]:

@@ -8,6 +8,9 @@ boundaries, so that no copy of a sub-group spans two registrations. Worker threa
 first (so the kernel zeroes pages on several cores, and, bound to the GPU's NUMA node, places them
 on that node's memory) and register it. A failure half way unregisters what was registered.
 Registration ends when the mapping is freed: the finalizer runs before the memory is unmapped.
+``Slabs`` keeps each slab's state: a slab whose sub-groups all live on the device (the measured plan
+made them resident) is unlocked and its pages given back to the kernel, and locked again before a
+sub-group in it streams.
 
 Which way memory is locked is decided once, by ``make_pinner``: ``cudaHostRegister`` on CUDA,
 DeepSpeed's ``pin_empty`` (power-of-two sizes) on other accelerators that pin, nothing on the CPU
@@ -145,18 +148,66 @@ def _progress(total: int, show: bool):
                 desc="[deepspeed-offload] pinning the host store", file=sys.stderr, leave=False)
 
 
+class Slabs:
+    """The slabs of a store's mappings, each locked or released. ``release``: unlocked, and its pages
+    given back to the kernel (``MADV_DONTNEED``: the memory reads as zeros afterwards, and is held
+    again when written); ``lock``: locked again. A store whose accelerator pins its own way
+    (``pin_empty``) has no slabs: nothing is released."""
+
+    def __init__(self, pinner=None, mappings=None, work=()):
+        self.pinner, self.mappings = pinner, mappings or {}
+        self.slabs: List[Tuple[torch.dtype, int, int]] = list(work)  # (dtype, start, end) in bytes
+        self.locked = [True] * len(self.slabs)
+        for dt, mapping in self.mappings.items():  # unregisters what is still locked when it goes
+            weakref.finalize(mapping, _unregister_locked, pinner, self._addresses(dt), self.locked)
+
+    def _addresses(self, dtype) -> List[Tuple[int, int]]:
+        base = _address(self.mappings[dtype])
+        return [(k, base + lo) for k, (dt, lo, _) in enumerate(self.slabs) if dt == dtype]
+
+    def _address(self, k: int) -> int:
+        dt, lo, _ = self.slabs[k]
+        return _address(self.mappings[dt]) + lo
+
+    def release(self, k: int):
+        if not self.locked[k]:
+            return
+        dt, lo, hi = self.slabs[k]
+        self.pinner.unregister(self._address(k))
+        self.locked[k] = False
+        page = mmap.PAGESIZE
+        first, last = -(-lo // page) * page, hi // page * page  # the whole pages inside the slab
+        if last > first and hasattr(mmap, "MADV_DONTNEED"):
+            self.mappings[dt].madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def lock(self, k: int):
+        if self.locked[k]:
+            return
+        dt, lo, hi = self.slabs[k]
+        self.pinner.register(self._address(k), hi - lo)
+        self.locked[k] = True
+
+    @property
+    def locked_bytes(self) -> int:
+        return sum(hi - lo for (_, lo, hi), locked in zip(self.slabs, self.locked) if locked)
+
+    @property
+    def released_bytes(self) -> int:
+        return sum(hi - lo for (_, lo, hi), locked in zip(self.slabs, self.locked) if not locked)
+
+
 def allocate(sizes: Dict[torch.dtype, int], bounds: Dict[torch.dtype, List[Tuple[int, int]]], pinner,
              numa_node: Optional[int] = None, show_progress: bool = False,
-             fallback=None) -> Tuple[Dict[torch.dtype, torch.Tensor], PinnedStats]:
+             fallback=None) -> Tuple[Dict[torch.dtype, torch.Tensor], PinnedStats, Slabs]:
     """One buffer per dtype of ``sizes[dtype]`` elements, its regions' byte ``bounds`` given, locked
-    by ``pinner`` (``make_pinner``; None: ``fallback(numel, dtype)`` allocates a pinned tensor).
-    Raises RuntimeError (nothing left locked) if locking fails."""
+    by ``pinner`` (``make_pinner``; None: ``fallback(numel, dtype)`` allocates a pinned tensor), and
+    its ``Slabs``. Raises RuntimeError (nothing left locked) if locking fails."""
     t0 = time.perf_counter()
     nbytes = {dt: n * torch.empty(0, dtype=dt).element_size() for dt, n in sizes.items()}
     total = sum(nbytes.values())
     if pinner is None:
         buffers = {dt: fallback(n, dt) for dt, n in sizes.items()}
-        return buffers, PinnedStats("pin_empty", total, time.perf_counter() - t0, 1, None)
+        return buffers, PinnedStats("pin_empty", total, time.perf_counter() - t0, 1, None), Slabs()
     mappings = {dt: map_exact(nbytes[dt]) for dt in sizes}
     work = [(dt, lo, hi) for dt in sizes for lo, hi in cut_slabs(bounds[dt]) if hi > lo]
     registered: List[int] = []
@@ -190,16 +241,18 @@ def allocate(sizes: Dict[torch.dtype, int], bounds: Dict[torch.dtype, List[Tuple
     finally:
         if bar is not None:
             bar.close()
-    buffers = {}
-    for dt, mapping in mappings.items():
-        starts = [_address(mapping) + lo for d, lo, _ in work if d == dt]
-        weakref.finalize(mapping, _unregister_all, pinner, starts)
-        buffers[dt] = torch.frombuffer(mapping, dtype=dt, count=sizes[dt]) if sizes[dt] else torch.empty(0, dtype=dt)
-    return buffers, PinnedStats(pinner.kind, total, time.perf_counter() - t0, threads, numa_node)
+    buffers = {dt: torch.frombuffer(mapping, dtype=dt, count=sizes[dt]) if sizes[dt] else torch.empty(0, dtype=dt)
+               for dt, mapping in mappings.items()}
+    slabs = Slabs(pinner, mappings, work)
+    return buffers, PinnedStats(pinner.kind, total, time.perf_counter() - t0, threads, numa_node), slabs
 
 
-def _unregister_all(pinner, addresses):
-    for address in addresses:
+def _unregister_locked(pinner, addresses, locked):
+    """The finalizer: the slabs of one mapping still locked (unregistering one that is not would
+    leave CUDA's last error set for the next kernel launch to report)."""
+    for k, address in addresses:
+        if not locked[k]:
+            continue
         try:
             pinner.unregister(address)
         except Exception:  # noqa: B902 - at interpreter exit CUDA may be gone; the process frees it all

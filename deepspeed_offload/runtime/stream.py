@@ -381,7 +381,9 @@ class StreamMode:
         """From the next step on, the first ``k`` sub-groups keep their state on the device and the rest
         stream: the one place the split changes after attach (placement.py decides ``k``). Between steps:
         every write-back has landed; sub-groups that stop streaming get device copies of their host
-        state, those that start streaming go into their host regions (kept since attach)."""
+        state and their host memory goes back to the host (``HostStore.release``: each slab left
+        with resident sub-groups only), those that start streaming get theirs locked again
+        (``reacquire``) and their state written into it."""
         old, new = self.layout, self.probe.split(k)
         if new.resident == old.resident:
             return
@@ -393,9 +395,19 @@ class StreamMode:
         to_host = [i for i in old.resident if i in new.order]
         for i in to_device:
             self.tensors.point_at(i, lambda key: self.store.view(i, key).to(device, copy=True))
+        for i in to_device + to_host:  # an asynchronous checkpoint may still be reading their regions
+            self.guard(i)
+            if i in self.store.twins:
+                self.guard(i, other=True)
+        released = self.store.slabs.released_bytes
+        self.store.release(to_device)
+        self.store.reacquire(to_host)
         for i in to_host:
-            self.guard(i)  # an asynchronous checkpoint may still be reading its region
             self.tensors.move_into(i, lambda key: self.store.view(i, key))
+        if self.store.slabs.released_bytes != released:
+            log_dist(f"[deepspeed-offload] host store: {format_bytes(self.store.pinned_bytes)} locked, "
+                     f"{format_bytes(self.store.slabs.released_bytes)} given back to the host (their sub-groups "
+                     "are resident)", ranks=[0])
         moved = self.probe.resident_bytes(len(new.resident)) - self.probe.resident_bytes(len(old.resident))
         self.layout, self.order, self.resident, self.slot_bytes = new, new.order, new.resident, new.slot_bytes
         self.table.set_offloaded(new.order, new.slot_numel)

@@ -482,8 +482,21 @@ def copy_executor(spec):
         stream_mod.make_copies, hooks_mod.install = made, install
 
 
+@contextlib.contextmanager
+def slab_size(spec):
+    """``slab_bytes``: the host store's slabs that small (runtime/pinned.py), so that the measured
+    plan's moves release and lock single sub-groups' memory, as a large model's do."""
+    from deepspeed_offload.runtime import pinned
+    default = pinned.SLAB_BYTES
+    pinned.SLAB_BYTES = spec.get("slab_bytes") or default
+    try:
+        yield
+    finally:
+        pinned.SLAB_BYTES = default
+
+
 def train(spec):
-    with copy_executor(spec):
+    with copy_executor(spec), slab_size(spec):
         return train_with(spec)
 
 
@@ -641,7 +654,9 @@ def train_with(spec):
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
                     handle._place(k)
-                    result_extra.setdefault("placed", []).append((len(handle.resident), list(handle.order)))
+                    result_extra.setdefault("placed", []).append(
+                        (len(handle.resident), list(handle.order), sorted(handle.store.released),
+                         handle.store.slabs.released_bytes, list(handle.resident)))
             if step == spec.get("detach_after") and micro == gas - 1:
                 result_extra["detach"] = detach_and_check(engine)
         for save in spec.get("saves", []):

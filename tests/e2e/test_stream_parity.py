@@ -83,10 +83,10 @@ CASES = {
     # step 2, two of them given back after step 4; with speculation (on by default), a checkpoint and its
     # resume across the moves, gradient accumulation 1 and 2
     "plan_moves": dict(spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, clip=1e9,
-                                 place_at=[[1, 3], [3, 1]]),
+                                 place_at=[[1, 3], [3, 1]], slab_bytes=1),
                        variants=["overlap", "deferred", "checkpoint", "resume"]),
     "plan_moves_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True, gas=2, clip=1e9,
-                                      place_at=[[1, 3], [3, 1]]),
+                                      place_at=[[1, 3], [3, 1]], slab_bytes=1),
                             variants=["overlap", "deferred"]),
 }
 
@@ -285,7 +285,11 @@ def test_parity_two_ranks(two_rank_runs, case):
     if case.startswith("plan_moves"):
         for name in ("overlap", "deferred"):
             placed = results[name]["placed"]
-            assert [resident for resident, _ in placed] == [3, 1], placed
+            assert [p[0] for p in placed] == [3, 1], placed
+            # the resident sub-groups' host memory went back to the host, and came back for those
+            # that stream again (one slab a sub-group here: slab_bytes)
+            for _, _, released, released_bytes, resident in placed:
+                assert released == sorted(resident) and released_bytes > 0, placed
             assert results[name]["handle"]["speculation"]["committed"] > 0, name  # the defaults speculate
 
 

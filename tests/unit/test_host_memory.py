@@ -128,14 +128,14 @@ def test_allocate_locks_exact_sizes_in_slabs_and_unlocks_when_freed(monkeypatch)
     pinner = RecordingPinner()
     sizes = {torch.float32: 3000, torch.bfloat16: 10}
     bounds = {torch.float32: [(0, 4000), (4000, 8000), (8000, 12000)], torch.bfloat16: [(0, 20)]}
-    buffers, stats = pinned.allocate(sizes, bounds, pinner)
+    buffers, stats, slabs = pinned.allocate(sizes, bounds, pinner)
     assert buffers[torch.float32].numel() == 3000 and buffers[torch.bfloat16].numel() == 10
     assert sorted(n for _, n in pinner.registered) == [20, 4000, 8000]  # whole regions, exact sizes
     assert stats.nbytes == 12020 and stats.kind == "fake"
     assert torch.count_nonzero(buffers[torch.float32]) == 0  # touched (zeroed) before locking
     mapping = buffers[torch.float32].untyped_storage()
     assert buffers[torch.float32].untyped_storage().nbytes() == 12000  # not a power of two
-    del buffers, mapping
+    del buffers, mapping, slabs
     import gc
     gc.collect()
     assert sorted(pinner.unregistered) == sorted(a for a, _ in pinner.registered)  # unlocked before unmapped
@@ -180,3 +180,40 @@ def test_host_store_pinning_failure_is_a_clear_error(fake_host, monkeypatch):
     monkeypatch.setattr(host_memory, "memlock_limit", lambda: 8)
     with pytest.raises(ConfigError, match="ulimit -l"):
         HostStore({0: [(MASTER, torch.float32, 10)]}, pin_memory=True)
+
+
+def test_the_store_gives_back_the_memory_of_resident_sub_groups_and_locks_it_again(fake_host, monkeypatch):
+    """What the measured plan makes resident leaves the host (StreamMode._place): a slab whose
+    sub-groups are all released is unlocked and its pages given back (they read as zeros); a slab
+    shared with a streaming sub-group stays; a sub-group that streams again is locked again first;
+    when the store goes, only what is still locked is unlocked."""
+    fake_host()
+    page = mmap.PAGESIZE // 4  # float32 elements in a page
+    monkeypatch.setattr(pinned, "SLAB_BYTES", 2 * page * 4)  # sub-groups 0, 1 a slab each; 2 and 3 share one
+    pinner = RecordingPinner()
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
+    sizes = {0: 2 * page, 1: 2 * page, 2: page, 3: page}
+    store = HostStore({i: [(MASTER, torch.float32, n)] for i, n in sizes.items()}, pin_memory=True, twins=[1])
+    for i in sizes:
+        store.view(i, MASTER).fill_(i + 1)
+    store.view(1, MASTER, other=True).fill_(7)
+    locked = store.pinned_bytes
+    assert locked == store.nbytes and len(pinner.registered) == 4  # 0, 1, {2, 3}, 1's second region
+    store.release([0, 1, 2])
+    assert store.released == {0, 1, 2} and len(pinner.unregistered) == 3  # 0, both of 1's; {2, 3} stays
+    assert store.pinned_bytes == locked - 3 * 2 * page * 4
+    assert torch.count_nonzero(store.view(0, MASTER)) == 0 and torch.count_nonzero(store.view(1, MASTER, other=True)) == 0
+    assert torch.all(store.view(2, MASTER) == 3) and torch.all(store.view(3, MASTER) == 4)  # its slab was kept
+    store.reacquire([1, 2])
+    assert store.released == {0} and len(pinner.registered) == 6  # 1's two slabs locked again, at their sizes
+    assert [n for _, n in pinner.registered[-2:]] == [2 * page * 4] * 2
+    assert store.pinned_bytes == locked - 2 * page * 4
+    store.view(1, MASTER).fill_(5)  # its memory is held again when written
+    assert torch.all(store.view(1, MASTER) == 5)
+    zero = set(pinner.unregistered[:3]) - {a for a, _ in pinner.registered[4:]}  # 0's slab, released still
+    still_locked = {a for a, _ in pinner.registered[:4]} - zero
+    assert len(zero) == 1 and len(still_locked) == 3
+    del store
+    import gc
+    gc.collect()
+    assert set(pinner.unregistered[3:]) == still_locked and len(pinner.unregistered) == 3 + len(still_locked)
