@@ -18,15 +18,15 @@ the current side as it was. ``region``/``view`` always name the current side unl
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import logger
+from deepspeed.utils import log_dist, logger
 
 from ..compat import pin_empty
 from ..errors import ConfigError
-from ..host_memory import BLOCK, HostPlan, check_host_plan, gpu_numa_node, local_ranks
+from ..host_memory import BLOCK, HostPlan, check_host_plan, format_bytes, gpu_numa_node, local_ranks
 from . import pinned
 
 MASTER = "__master__"
@@ -116,9 +116,14 @@ class HostStore:
         resident): every slab that holds only released sub-groups is unlocked and its memory given
         back to the host. Their regions read as zeros until ``reacquire``."""
         self.released |= {int(i) for i in sub_groups if i in self._slabs_of}
+        before = self.slabs.released_bytes
         for k, members in enumerate(self._slab_members):
             if members and members <= self.released:
                 self.slabs.release(k)
+        if self.slabs.released_bytes != before:
+            log_dist(f"[deepspeed-offload] host store: {format_bytes(self.pinned_bytes)} locked, "
+                     f"{format_bytes(self.slabs.released_bytes)} given back to the host (its sub-groups are "
+                     "resident)", ranks=[0])
 
     def reacquire(self, sub_groups: Iterable[int]):
         """These sub-groups stream again: their slabs are locked (memory held again) before their
@@ -146,6 +151,13 @@ class HostStore:
             raise KeyError(f"deepspeed-offload: sub-group {sub_group} has no second region")
         start, numel = self.sides[side][sub_group][dtype]
         return self.buffers[dtype].narrow(0, start, numel)
+
+    def byte_ranges(self, sub_group: int, other: Optional[bool] = False) -> List[Tuple[int, int]]:
+        """(address, bytes) of the sub-group's regions on its current side (``other``: its second
+        side; None: both sides it has)."""
+        sides = [other] if other is not None else [False, True][:1 + (sub_group in self.twins)]
+        return [(r.data_ptr(), r.numel() * r.element_size()) for o in sides
+                for r in (self.region(sub_group, dt, o) for dt in self.region_numel(sub_group))]
 
     def region_numel(self, sub_group: int) -> Dict[torch.dtype, int]:
         return {dt: n for dt, (_, n) in self.regions[sub_group].items()}

@@ -381,9 +381,8 @@ class StreamMode:
         """From the next step on, the first ``k`` sub-groups keep their state on the device and the rest
         stream: the one place the split changes after attach (placement.py decides ``k``). Between steps:
         every write-back has landed; sub-groups that stop streaming get device copies of their host
-        state and their host memory goes back to the host (``HostStore.release``: each slab left
-        with resident sub-groups only), those that start streaming get theirs locked again
-        (``reacquire``) and their state written into it."""
+        state and give their host memory back (``HostStore.release``), those that start streaming
+        get theirs locked again (``reacquire``) and their state written into it."""
         old, new = self.layout, self.probe.split(k)
         if new.resident == old.resident:
             return
@@ -396,18 +395,11 @@ class StreamMode:
         for i in to_device:
             self.tensors.point_at(i, lambda key: self.store.view(i, key).to(device, copy=True))
         for i in to_device + to_host:  # an asynchronous checkpoint may still be reading their regions
-            self.guard(i)
-            if i in self.store.twins:
-                self.guard(i, other=True)
-        released = self.store.slabs.released_bytes
+            self.guard(i, other=None)
         self.store.release(to_device)
         self.store.reacquire(to_host)
         for i in to_host:
             self.tensors.move_into(i, lambda key: self.store.view(i, key))
-        if self.store.slabs.released_bytes != released:
-            log_dist(f"[deepspeed-offload] host store: {format_bytes(self.store.pinned_bytes)} locked, "
-                     f"{format_bytes(self.store.slabs.released_bytes)} given back to the host (their sub-groups "
-                     "are resident)", ranks=[0])
         moved = self.probe.resident_bytes(len(new.resident)) - self.probe.resident_bytes(len(old.resident))
         self.layout, self.order, self.resident, self.slot_bytes = new, new.order, new.resident, new.slot_bytes
         self.table.set_offloaded(new.order, new.slot_numel)
@@ -439,13 +431,11 @@ class StreamMode:
         if self.speculation is not None:
             self.speculation.discard_all(why)
 
-    def guard(self, i: Optional[int] = None, other: bool = False):
-        """Before sub-group ``i``'s host region (``other``: its second one; None: the whole store) is
-        overwritten: an asynchronous checkpoint still reading it finishes that first."""
+    def guard(self, i: Optional[int] = None, other: Optional[bool] = False):
+        """Before sub-group ``i``'s host region (``other``: its second one; None: both; ``i`` None: the
+        whole store) is overwritten or released: an asynchronous checkpoint reading it finishes first."""
         if self.checkpointer is not None:
-            ranges = None if i is None else [(r.data_ptr(), r.numel() * r.element_size())
-                                             for r in (self.store.region(i, dt, other) for dt in self.store.region_numel(i))]
-            self.checkpointer.guard(ranges)
+            self.checkpointer.guard(None if i is None else self.store.byte_ranges(i, other))
 
     def host_resident(self) -> bool:
         """True when every offloaded tensor that exists points at its slice of the host store."""
