@@ -106,7 +106,9 @@ class CudaHostRegister:
             raise RuntimeError(f"cudaHostRegister of {format_bytes(nbytes)} failed with CUDA error {int(err)}")
 
     def unregister(self, address: int):
-        self.cudart.cudaHostUnregister(address)
+        err = self.cudart.cudaHostUnregister(address)
+        if int(err) != 0:  # the pages stay locked: they must not be given back (Slabs.release)
+            raise RuntimeError(f"cudaHostUnregister failed with CUDA error {int(err)}")
 
 
 def make_pinner(acc, pin_memory: bool):
@@ -235,8 +237,7 @@ def allocate(sizes: Dict[torch.dtype, int], bounds: Dict[torch.dtype, List[Tuple
             for future in [pool.submit(place, task) for task in work]:
                 future.result()
     except BaseException as e:
-        for address in registered:
-            pinner.unregister(address)
+        _unregister_locked(pinner, list(enumerate(registered)), [True] * len(registered))
         raise RuntimeError(f"locking {format_bytes(total)} of host memory failed ({e}){memlock_hint(total)}") from e
     finally:
         if bar is not None:
