@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from deepspeed.utils import logger
 
 from ..env_settings import read_env
 from ..host_memory import format_bytes, memlock_hint, node_cpus
@@ -175,7 +176,11 @@ class Slabs:
         if not self.locked[k]:
             return
         dt, lo, hi = self.slabs[k]
-        self.pinner.unregister(self._address(k))
+        try:
+            self.pinner.unregister(self._address(k))
+        except RuntimeError as e:  # it stays locked and held; training goes on
+            logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay locked: {e}")
+            return
         self.locked[k] = False
         page = mmap.PAGESIZE
         first, last = -(-lo // page) * page, hi // page * page  # the whole pages inside the slab

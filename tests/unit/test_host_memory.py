@@ -217,3 +217,21 @@ def test_the_store_gives_back_the_memory_of_resident_sub_groups_and_locks_it_aga
     import gc
     gc.collect()
     assert set(pinner.unregistered[3:]) == still_locked and len(pinner.unregistered) == 3 + len(still_locked)
+
+
+def test_a_slab_that_cannot_be_unlocked_is_kept(fake_host, monkeypatch):
+    """cudaHostUnregister failing: the slab stays locked and its pages are not handed back (the driver
+    still maps them); training goes on."""
+    fake_host()
+    page = mmap.PAGESIZE // 4
+    monkeypatch.setattr(pinned, "SLAB_BYTES", page * 4)
+    pinner = RecordingPinner()
+
+    def refuse(address):
+        raise RuntimeError("cudaHostUnregister failed with CUDA error 712")
+    monkeypatch.setattr(pinner, "unregister", refuse)
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
+    store = HostStore({0: [(MASTER, torch.float32, 2 * page)], 1: [(MASTER, torch.float32, page)]}, pin_memory=True)
+    store.view(0, MASTER).fill_(3)
+    store.release([0])
+    assert store.pinned_bytes == store.nbytes and torch.all(store.view(0, MASTER) == 3)
