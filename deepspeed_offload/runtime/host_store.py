@@ -16,6 +16,7 @@ the current side as it was. ``region``/``view`` always name the current side unl
 ``other`` one, so every reader (loads, checkpoints, ``state_dict``) sees the committed state.
 """
 
+import bisect
 import os
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -95,18 +96,20 @@ class HostStore:
                 fallback=lambda n, dt: pin_empty(acc, n, dt))
         except RuntimeError as e:
             raise ConfigError(what, f"{e}; or set pin_memory to false (slower copies)") from e
-        # slab -> the sub-groups with a region in it (either side); sub-group -> its slabs
+        # slab -> the sub-groups with a region in it (either side); sub-group -> its slabs. Slabs are
+        # cut at region boundaries: a region lies in the slab where it starts.
         self.released: Set[int] = set()
         self._slab_members: List[Set[int]] = [set() for _ in self.slabs.slabs]
         self._slabs_of: Dict[int, List[int]] = {sg: [] for sg in layout}
-        for k, (dt, lo, hi) in enumerate(self.slabs.slabs):
-            for side in self.sides:
-                for sg, regions in side.items():
-                    if dt in regions:
-                        start, numel = regions[dt]
-                        if lo <= start * size[dt] < hi:
-                            self._slab_members[k].add(sg)
-                            self._slabs_of[sg].append(k)
+        starts = {dt: sorted((lo, k) for k, (d, lo, _) in enumerate(self.slabs.slabs) if d == dt) for dt in totals}
+        for side in self.sides:
+            for sg, regions in side.items():
+                for dt, (start, numel) in regions.items():
+                    at = bisect.bisect_right(starts[dt], (start * size[dt], len(self.slabs.slabs))) - 1
+                    if numel and at >= 0:
+                        k = starts[dt][at][1]
+                        self._slab_members[k].add(sg)
+                        self._slabs_of[sg].append(k)
         if warn_pageable and not pin_memory and acc.device_name() != "cpu":
             logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
                            "fraction of the link speed, and the step will be slower")

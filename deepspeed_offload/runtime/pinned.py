@@ -191,12 +191,12 @@ class Slabs:
         if self.locked[k]:
             return
         dt, lo, hi = self.slabs[k]
-        self.pinner.register(self._address(k), hi - lo)
+        try:
+            self.pinner.register(self._address(k), hi - lo)
+        except RuntimeError as e:  # pageable memory still works, its copies are slower; training goes on
+            logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay pageable: {e}")
+            return
         self.locked[k] = True
-
-    @property
-    def locked_bytes(self) -> int:
-        return sum(hi - lo for (_, lo, hi), locked in zip(self.slabs, self.locked) if locked)
 
     @property
     def released_bytes(self) -> int:

@@ -341,10 +341,9 @@ COMPILE_OPS_CASES = {
 
 
 def _against_plain(spec, *variants, plain_drops=("compile_ops",)):
-    """A case of ``compile_runs``: plain ZeRO-3 (``spec`` less ``plain_drops``), then ``spec`` with each
+    """A case of ``compile_runs``: plain ZeRO-3 (``spec`` with ``plain_drops`` None), then ``spec`` with each
     of ``variants`` ({} for ``spec`` itself), each a whole spec of its own."""
-    plain = dict({k: v for k, v in spec.items() if k not in plain_drops}, compile_ops=None)
-    plain.update({k: None for k in plain_drops if k != "compile_ops"})
+    plain = dict(spec, **{k: None for k in plain_drops})
     return [("plain", plain)] + [(name, dict(spec, **variant)) for name, variant in variants]
 
 

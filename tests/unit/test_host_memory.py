@@ -235,3 +235,23 @@ def test_a_slab_that_cannot_be_unlocked_is_kept(fake_host, monkeypatch):
     store.view(0, MASTER).fill_(3)
     store.release([0])
     assert store.pinned_bytes == store.nbytes and torch.all(store.view(0, MASTER) == 3)
+
+
+def test_a_slab_that_cannot_be_locked_again_stays_pageable(fake_host, monkeypatch):
+    """cudaHostRegister failing when a sub-group streams again (the memlock limit, say): its memory
+    stays pageable, counted as not locked, and holds what is written into it."""
+    fake_host()
+    page = mmap.PAGESIZE // 4
+    monkeypatch.setattr(pinned, "SLAB_BYTES", page * 4)
+    pinner = RecordingPinner()
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
+    store = HostStore({0: [(MASTER, torch.float32, 2 * page)], 1: [(MASTER, torch.float32, page)]}, pin_memory=True)
+    store.release([0])
+
+    def refuse(address, nbytes):
+        raise RuntimeError("cudaHostRegister of 8 KiB failed with CUDA error 2")
+    monkeypatch.setattr(pinner, "register", refuse)
+    store.reacquire([0])
+    assert store.released == set() and store.pinned_bytes == store.nbytes - 2 * page * 4
+    store.view(0, MASTER).fill_(6)
+    assert torch.all(store.view(0, MASTER) == 6)
