@@ -156,6 +156,8 @@ class Loop:
         return {"sync_save_s": sync_s, "async_blocking_s": blocking_s,
                 "async_background_s": handle.checkpointer.last["background_s"], "iters_during_write_s": iters,
                 "copied_aside": handle.checkpointer.stager.copies_aside,
+                "aside_reserved_GiB": handle.checkpointer.stager.aside_bytes / GiB,
+                "write_phases_s": dict(handle.checkpointer.last["phases"]),
                 "async_blocking_over_sync": blocking_s / sync_s, "checkpoint_GiB": size / GiB}
 
     def colocation_times(self, cycles=3):

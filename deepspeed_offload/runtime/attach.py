@@ -70,6 +70,7 @@ class Placement:
     host_first: bool  # the budget is derived: the measured plan may keep more resident later
     store_cap: int  # what this rank's store may take
     min_device_total: int = 0  # the smallest device among the ranks (compile mode's planner budget)
+    aside_budget: int = 0  # host bytes the checkpoint may reserve for its copies aside (0: none)
 
     @classmethod
     def without_agreement(cls, cfg, probe: Probe, resident_budget: bool = True) -> "Placement":
@@ -134,7 +135,8 @@ def prepare(engine, plan: Plan) -> Prepared:
                                     state=probe.total, budget_store=budget_store, speculate=speculate,
                                     deepspeed_pinned=deepspeed_pinned_per_rank(params, world, plan.ds_config),
                                     device_free=device_free,
-                                    device_total=0 if synchronous else int(acc.total_memory()))
+                                    device_total=0 if synchronous else int(acc.total_memory()),
+                                    checkpoint_aside=int(plan.mode == "stream" and offload.async_checkpoint))
     return Prepared(plan, probe, synchronous, fixed, figures)
 
 
@@ -155,7 +157,8 @@ def place(prepared: Prepared, figures: List[RankFigures], rank: int):
     store = probe.total - probe.resident_bytes(resident)
     return Placement(resident=resident, twins_budget=node_plan.twins_cap[rank],
                      host_first=prepared.fixed_resident is None, store_cap=store,
-                     min_device_total=min(f.device_total for f in figures)), node_plan
+                     min_device_total=min(f.device_total for f in figures),
+                     aside_budget=node_plan.aside_cap.get(rank, 0)), node_plan
 
 
 def check_engine(engine, plan: Plan):

@@ -162,6 +162,10 @@ class HostStore:
         return [(r.data_ptr(), r.numel() * r.element_size()) for o in sides
                 for r in (self.region(sub_group, dt, o) for dt in self.region_numel(sub_group))]
 
+    def side_bytes(self, align: int = 1) -> int:
+        """Bytes of one side's tensors (what a checkpoint reads), each rounded up to ``align``."""
+        return sum(-(-s.numel * s.dtype.itemsize // align) * align for sg in self.slices.values() for s in sg.values())
+
     def region_numel(self, sub_group: int) -> Dict[torch.dtype, int]:
         return {dt: n for dt, (_, n) in self.regions[sub_group].items()}
 

@@ -65,6 +65,7 @@ class RankFigures:
     mem_available: int = 0
     cgroup_limit: int = -1
     cgroup_usage: int = 0
+    checkpoint_aside: int = 0  # 1: async_checkpoint is on (a buffer for its copies aside, if there is room)
 
     def row(self) -> List[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]
@@ -101,6 +102,8 @@ class NodePlan:
     deepspeed_pinned: int
     store_cap: Dict[int, int]  # rank -> the most its store may take (its bytes under a fixed budget)
     twins_cap: Dict[int, int]  # rank -> the most its second regions may take
+    # rank -> host memory reserved at attach for its checkpoint's copies aside (absent: none)
+    aside_cap: Dict[int, int] = field(default_factory=dict)
 
     @property
     def usable(self) -> int:
@@ -138,6 +141,12 @@ def plan_node(figures: List[RankFigures], node: int) -> NodePlan:
     plan.twins_cap.update({r: asked.get(r, 0) for r in mine})
     for r in derived:
         plan.twins_cap[r] = min(mine[r].state, spare // max(1, len(derived)))
+    # async_checkpoint's copies aside: a buffer of its store's size for every rank that asks, reserved
+    # at attach where what the stores and the second regions leave holds all of them (speculation,
+    # which every step uses, comes first); else each save judges the host memory it finds then.
+    asking = [r for r, f in mine.items() if f.checkpoint_aside]
+    if asking and sum(caps[r] for r in asking) <= usable - sum(caps.values()) - sum(plan.twins_cap.values()):
+        plan.aside_cap.update({r: caps[r] for r in asking})
     return plan
 
 
@@ -169,6 +178,8 @@ def describe_node(plan: NodePlan, stores: Dict[int, int], twins: Dict[int, int],
     on_device = sum(resident.values())
     spec = f"; speculation's second regions {format_bytes(twin)}" if twin else "; speculation: no second regions"
     dev = f"; {format_bytes(on_device)} of state kept on the GPUs" if on_device else ""
+    aside = sum(min(plan.aside_cap.get(r, 0), stores[r]) for r in plan.ranks)
+    dev += f"; {format_bytes(aside)} for the checkpoints' copies aside" if aside else ""
     return (f"[deepspeed-offload] node {plan.node}: {len(plan.ranks)} rank(s) pin {format_bytes(store + twin)} in all "
             f"(stores {per_rank}{spec}){dev}; the node can give {format_bytes(plan.usable)} "
             f"({plan.memory.describe()})")

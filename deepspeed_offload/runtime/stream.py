@@ -47,7 +47,7 @@ from ..handle import HANDLE_ATTR
 from ..host_memory import format_bytes
 from . import hooks
 from .attach import Placement, fault_point
-from .checkpoint import AsyncCheckpointer
+from .checkpoint import ALIGN, AsyncCheckpointer
 from .colocation import StateOffload
 from .copies import make_copies
 from .host_store import HostStore
@@ -126,10 +126,10 @@ class StreamMode:
         self.acc.empty_cache()
         fault_point("moving")
         hooks.install(self)
-        # The checkpointer's engine hooks are in a registry of its own: close() takes them off.
-        self._checkpoint_patches = PatchRegistry("deepspeed-offload async checkpoint")
-        if cfg.async_checkpoint:
-            self.checkpointer = AsyncCheckpointer(self.engine, self.store.buffers.values(), self._checkpoint_patches)
+        self._checkpoint_patches = PatchRegistry("deepspeed-offload async checkpoint")  # close() takes them off
+        if cfg.async_checkpoint:  # with a buffer for its copies aside where attach's node plan had room
+            self.checkpointer = AsyncCheckpointer(self.engine, self.store.buffers.values(), self._checkpoint_patches,
+                                                  aside_bytes=placement.aside_budget and self.store.side_bytes(ALIGN))
         fault_point("patching")
 
     def undo_attach(self):

@@ -122,13 +122,60 @@ def test_save_writes_aside_then_swaps_in_with_digests(tmp_path):
     assert torch.equal(torch.load(tmp_path / "t1" / "optim.pt", weights_only=True)["s"], torch.arange(50_000.))
     m = marker(tmp_path / "t1")
     assert m["save_id"] == ckpt.last["save_id"] and m["world"] == 1 and m["tag"] == "t1"
+    assert m["digest"] == files.DIGEST == "sha256-pieces-32MiB"
     for name in ("model.pt", "optim.pt"):
         data = (tmp_path / "t1" / name).read_bytes()
-        assert m["files"][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert m["files"][name] == {"bytes": len(data), files.DIGEST: pieces_digest(data, 32 << 20)}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t1"]  # no staging, journal or .tmp left
     assert sorted(p.name for p in (tmp_path / "t1").iterdir()) == [names.MARKER.format(0), "model.pt", "optim.pt"]
     assert ck.verify_checkpoint(str(tmp_path / "t1")) is None
     assert ckpt.last["background_s"] is not None and ckpt.last["blocking_s"] >= 0
+
+
+def pieces_digest(data: bytes, piece: int) -> str:
+    """The markers' digest, from its definition: sha256 over the sha256 digests of the pieces, in order."""
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + piece]).digest()
+                                   for i in range(0, len(data), piece))).hexdigest()
+
+
+def test_the_digest_hashes_pieces_in_parallel_and_reads_the_earlier_whole_file_one(tmp_path, monkeypatch):
+    """Several threads hash a file's pieces (the writer and the load's verification); the result is the
+    definition's whatever the piece count, a marker of an earlier version (whole-file sha256) still
+    verifies, and a digest this version does not know is refused, not passed."""
+    monkeypatch.setattr(files, "PIECE", 1000)
+    path = tmp_path / "f"
+    for size in (0, 999, 1000, 2500, 10_001):
+        data = os.urandom(size)
+        path.write_bytes(data)
+        assert files.file_digest(str(path)) == pieces_digest(data, 1000), size
+        assert files.file_digest(str(path), "sha256") == hashlib.sha256(data).hexdigest()
+    with pytest.raises(ValueError, match="unknown digest 'blake3'"):
+        files.file_digest(str(path), "blake3")
+    tag_dir = make_tag(tmp_path)  # markers without a "digest" key: whole-file sha256, as earlier versions wrote
+    assert ck.verify_checkpoint(str(tag_dir), 0, 1) is None
+    marker_path = tag_dir / names.MARKER.format(1)
+    entry = json.loads(marker_path.read_text())
+    entry["digest"] = "blake3"
+    marker_path.write_text(json.dumps(entry))
+    assert "f1.pt (written by rank 1) cannot be verified: unknown digest 'blake3'" in ck.verify_checkpoint(
+        str(tag_dir), 0, 1)
+
+
+def test_the_writer_starts_the_disk_while_it_serializes(tmp_path, monkeypatch):
+    """With ``start_writeback`` (the state copied aside) the disk is asked to write each
+    WRITEBACK_EVERY bytes as they are serialized, in order and covering what was written; without it, never."""
+    calls = []
+    monkeypatch.setattr(files, "_SYNC_FILE_RANGE", lambda fd, offset, n, flags: calls.append((offset, n, flags)))
+    monkeypatch.setattr(files, "WRITEBACK_EVERY", 4096)
+    obj = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(5000)}
+    size = files.serialize(str(tmp_path / "x.pt"), obj, True, start_writeback=True)
+    assert calls and calls[0][0] == 0 and all(f == files.SYNC_FILE_RANGE_WRITE for _, _, f in calls)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))  # contiguous, in order
+    assert size - 4096 < calls[-1][0] + calls[-1][1] <= size
+    assert torch.equal(torch.load(f"{tmp_path / 'x.pt'}.tmp", weights_only=True)["a"], obj["a"])
+    calls.clear()
+    files.serialize(str(tmp_path / "y.pt"), obj, True)
+    assert calls == []
 
 
 def test_saving_over_the_tag_latest_names_keeps_it_whole_until_the_swap(tmp_path):
@@ -487,7 +534,7 @@ def test_verify_refuses_flipped_bytes_naming_rank_and_file(tmp_path):
     (tag_dir / "f1.pt").write_bytes(b"dXta1")  # same size, other content
     assert ck.verify_checkpoint(str(tag_dir), 0, 2) is None  # rank 0 hashes rank 0's files only
     msg = ck.verify_checkpoint(str(tag_dir), 1, 2)
-    assert "f1.pt (written by rank 1) does not match its sha256 digest" in msg
+    assert "f1.pt (written by rank 1) does not match its sha256 digest" in msg  # (an earlier version's marker)
     assert "f1.pt (written by rank 1)" in ck.verify_checkpoint(str(tag_dir), 0, 1)  # one rank hashes all
 
 
@@ -600,6 +647,48 @@ def test_guard_waits_only_for_the_ranges_it_overwrites(tmp_path, monkeypatch, as
     saved = torch.load(tmp_path / "t" / "optim.pt", weights_only=False)["state"]
     assert torch.equal(saved["a"], torch.arange(1000, dtype=torch.float32))
     assert saved["a"].untyped_storage().nbytes() == 4000  # its own bytes, not the whole store
+
+
+def test_copies_aside_go_into_the_buffer_reserved_at_attach(tmp_path, monkeypatch):
+    """With ``aside_bytes`` the copies land in one buffer touched when the checkpointer was made (even
+    with no host memory spare at the save), every save reuses it, each file holds its tensors' own
+    bytes; a save larger than the buffer gets fresh memory, or is written from the store where the host
+    has none."""
+    from deepspeed_offload.runtime.checkpoint import staging
+    spare = {"bytes": 0}
+    monkeypatch.setattr(staging.HostMemory, "read",
+                        classmethod(lambda cls: HostMemory(total=2**40, available=spare["bytes"])))
+    engine, store = store_engine()
+    ckpt = ck.AsyncCheckpointer(engine, [store], aside_bytes=2 * staging.aligned(4000))
+    buf = ckpt.stager.aside.tensor
+    assert ckpt.stager.aside_bytes == 8064 and torch.equal(buf, torch.zeros_like(buf))  # touched
+    inside = lambda t: buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel()  # noqa: E731
+    targets, real = [], staging._copy
+    monkeypatch.setattr(staging, "_copy", lambda regions, start, n, src, dst: (targets.append(dst), real(
+        regions, start, n, src, dst)))
+    for tag, value in (("t1", 1.0), ("t2", 2.0)):
+        targets.clear()
+        store.fill_(value)
+        engine.save_checkpoint(str(tmp_path), tag=tag)
+        assert ckpt.synchronize_staging(10)  # copied (the writer may still be serializing the copies)
+        assert ckpt.stager.copies_aside and len(targets) == 2 and all(inside(t) for t in targets)
+        assert targets[0].data_ptr() % staging.ALIGN == 0 and targets[1].data_ptr() % staging.ALIGN == 0
+        store.fill_(-1.0)  # the step overwrites the store once copied: the files keep the saved values
+        ckpt.wait()
+        saved = torch.load(tmp_path / tag / "optim.pt", weights_only=False)["state"]
+        assert torch.equal(saved["a"], torch.full((1000, ), value)) and torch.equal(saved["b"], saved["a"])
+        assert saved["a"].untyped_storage().nbytes() == 4000
+    engine.files[0][1]["state"]["c"] = store.narrow(0, 2000, 1000)  # a third tensor: more than the buffer holds
+    engine.save_checkpoint(str(tmp_path), tag="t3")
+    assert not ckpt.stager.copies_aside  # no buffer room and no host memory spare: written from the store
+    ckpt.wait()
+    spare["bytes"] = 2**40
+    targets.clear()
+    engine.save_checkpoint(str(tmp_path), tag="t4")
+    assert ckpt.synchronize_staging(10)
+    assert ckpt.stager.copies_aside and len(targets) == 3 and not any(inside(t) for t in targets)
+    ckpt.wait()
+    assert ckpt.last["phases"].keys() == {"copy_aside_s", "serialize_s", "hash_and_flush_s"}
 
 
 def test_without_the_guard_the_step_does_not_wait(tmp_path, monkeypatch):

@@ -11,11 +11,13 @@ from deepspeed_offload.runtime.placement import (MeasuredPlan, RankFigures, desc
 GiB = 2**30
 
 
-def figures(ranks, state, budget_store=-1, speculate=-1, available=100 * GiB, total=128 * GiB, node=0, first=0):
+def figures(ranks, state, budget_store=-1, speculate=-1, available=100 * GiB, total=128 * GiB, node=0, first=0,
+            aside=0):
     """``ranks`` ranks of one node; only the first local rank carries the node's reading."""
     return [RankFigures(node=node, local_rank=k, state=state, budget_store=budget_store, speculate=speculate,
                         deepspeed_pinned=0, device_free=140 * GiB, device_total=141 * GiB,
-                        mem_total=total if k == 0 else 0, mem_available=available if k == 0 else 0)
+                        mem_total=total if k == 0 else 0, mem_available=available if k == 0 else 0,
+                        checkpoint_aside=aside)
             for k in range(first, first + ranks)]
 
 
@@ -56,6 +58,23 @@ def test_speculation_takes_what_the_stores_leave_shared_among_the_ranks():
     assert all(plan.twins_cap[r] == min(10 * GiB, spare // 4) for r in range(4))
     many = plan_node(figures(8, 11 * GiB), 0)  # 88 of 93.6 GiB: little is spare, speculation shrinks
     assert sum(many.twins_cap.values()) <= many.usable - sum(many.store_cap.values())
+
+
+def test_the_checkpoints_copies_aside_get_a_buffer_where_stores_and_speculation_leave_room():
+    """async_checkpoint asks for one buffer of its store's size per rank, after the stores and the
+    second regions: all of a node's ranks get one, or none of them (each save then judges the host)."""
+    roomy = plan_node(figures(2, 12 * GiB, budget_store=12 * GiB, aside=1), 0)  # 24 + 24 + 24 of 93.6
+    assert roomy.aside_cap == {0: 12 * GiB, 1: 12 * GiB} and sum(roomy.twins_cap.values()) == 24 * GiB
+    assert "24.00 GiB for the checkpoints' copies aside" in describe_node(
+        roomy, {0: 12 * GiB, 1: 12 * GiB}, roomy.twins_cap, {0: 0, 1: 0})
+    assert plan_node(figures(2, 12 * GiB, budget_store=12 * GiB), 0).aside_cap == {}  # not asked
+    tight = plan_node(figures(2, 30 * GiB, budget_store=30 * GiB, aside=1), 0)  # speculation takes what is spare
+    assert tight.aside_cap == {} and sum(tight.twins_cap.values()) > 0
+    no_spec = plan_node(figures(2, 30 * GiB, budget_store=30 * GiB, speculate=0, aside=1), 0)  # 60 + 60 > 93.6
+    assert no_spec.aside_cap == {} and "copies aside" not in describe_node(
+        no_spec, {0: 30 * GiB, 1: 30 * GiB}, no_spec.twins_cap, {0: 0, 1: 0})
+    fits = plan_node(figures(2, 20 * GiB, budget_store=20 * GiB, speculate=0, aside=1), 0)  # 40 + 40 of 93.6
+    assert fits.aside_cap == {0: 20 * GiB, 1: 20 * GiB}
 
 
 def test_two_nodes_are_judged_each_from_its_own_reading():

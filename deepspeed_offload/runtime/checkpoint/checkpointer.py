@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 from deepspeed.utils import log_dist, logger
 
 from ...handle import get_handle
+from ...host_memory import format_bytes
 from ..patches import PatchRegistry
 from .. import agreement
 from .commit import recover, remove_leftovers
@@ -37,15 +38,20 @@ _exit_hook_registered = False
 
 class AsyncCheckpointer:
     """Wraps ``engine.save_checkpoint``, ``load_checkpoint`` and ``step`` (through one PatchRegistry).
-    ``host_buffers`` are the host store's buffers, whose tensors are written by reference.
+    ``host_buffers`` are the host store's buffers, whose tensors are written by reference;
+    ``aside_bytes`` the host memory to reserve for the saves' copies aside (attach's node plan).
     ``settings`` default to the environment's (options.py); ``faults`` are for tests only."""
 
     def __init__(self, engine, host_buffers, patches: Optional[PatchRegistry] = None,
-                 settings: Optional[Settings] = None, faults: Faults = NO_FAULTS):
+                 settings: Optional[Settings] = None, faults: Faults = NO_FAULTS, aside_bytes: int = 0):
         self.engine = engine
         self.settings = settings if settings is not None else Settings.from_env()
         self.faults = faults
-        self.stager = HostStoreStager(host_buffers)
+        t0 = time.perf_counter()
+        self.stager = HostStoreStager(host_buffers, aside_bytes)
+        if aside_bytes:
+            log_dist(f"[deepspeed-offload] async checkpoint: {format_bytes(aside_bytes)} of host memory reserved for "
+                     f"the saves' copies aside, touched in {time.perf_counter() - t0:.1f} s", ranks=[0])
         self.staged: Optional[StagedFiles] = None  # the last save's snapshot, until the writer releases it
         self.future: Optional[Future] = None  # the last save's writer
         self._reported = False  # the last save's failure has been raised (the ranks agreed on it)
@@ -68,8 +74,10 @@ class AsyncCheckpointer:
 
     @property
     def last(self) -> Optional[dict]:
-        """``tag``, ``save_id``, ``blocking_s`` of the last save, and ``background_s``: how long it
-        was written and committed in the background (rank 0; None until then, or if it failed)."""
+        """``tag``, ``save_id``, ``blocking_s`` of the last save, ``phases`` (this rank's write: the
+        seconds it waited for the copies aside, serialized, hashed and flushed) and ``background_s``:
+        how long it was written and committed in the background (rank 0; None until then, or if it
+        failed)."""
         if self._last is None:
             return None
         f = self.future
@@ -109,12 +117,12 @@ class AsyncCheckpointer:
         job = SaveJob(save_dir=save_dir, tag=tag, save_id=save_id, rank=rank, world=world, save_latest=save_latest,
                       zipfile=zipfile, paths=staged.paths, scripts=tuple(scripts))
         blocking = time.perf_counter() - t0
-        self._last = {"tag": tag, "save_id": save_id, "blocking_s": blocking}
+        self._last = {"tag": tag, "save_id": save_id, "blocking_s": blocking, "phases": {}}
         self.staged = staged
         self._unchecked = True
         self._staging = staging
         self._reported = False
-        self.future = write_async(job, staged, heartbeat, self.settings, self.faults)
+        self.future = write_async(job, staged, heartbeat, self.settings, self.faults, self._last["phases"])
         how = "copied aside, then written" if self.stager.copies_aside else \
             "written from the host store (not enough host memory spare to copy it aside)"
         log_dist(f"[deepspeed-offload] checkpoint {tag}: save_checkpoint blocked {blocking:.3f} s; "

@@ -8,7 +8,9 @@ masters, optimizer moments: the bulk) are taken one of two ways:
 
 - **copied aside** (where the node has the host memory spare for it): threads copy each into a tensor
   of its own, in the store's order (the step's), while training goes on; the writer serializes the
-  copies at the disk's speed;
+  copies at the disk's speed. The copies go into ``AsideBuffer``, host memory attach reserved and
+  touched once (where the node's plan had room for it, ``placement.py``), so that a save neither
+  faults pages in nor has the kernel zero them beside the step; without it, into fresh memory;
 - **aliased** (otherwise): each is written from the store itself, through a storage of exactly its own
   bytes (so the file holds those bytes and not the whole store, second regions included).
 
@@ -30,8 +32,40 @@ from ...host_memory import HostMemory
 from ..patches import PatchRegistry
 from .errors import CheckpointWriteError
 
-# Threads that copy the host store's tensors aside, in the store's order.
+# Threads that copy the host store's tensors aside, in the store's order (and touch AsideBuffer).
 COPY_THREADS = 8
+# Each tensor copied into the AsideBuffer starts at a multiple of this many bytes.
+ALIGN = 64
+TOUCH = 256 << 20  # bytes each thread touches at a time when the buffer is reserved
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class AsideBuffer:
+    """Host memory for the copies aside of every save, reserved once and touched (every page faulted
+    in) by the copy threads when it is made; each save carves its tensors out of it, one storage of
+    exactly its bytes each (so the files hold those bytes only). One save at a time uses it: a save
+    starts once the previous one is written."""
+
+    def __init__(self, nbytes: int, pool: ThreadPoolExecutor):
+        self.nbytes = int(nbytes)
+        self.tensor = torch.empty(self.nbytes, dtype=torch.uint8)
+        chunks = [self.tensor.narrow(0, lo, min(TOUCH, self.nbytes - lo)) for lo in range(0, self.nbytes, TOUCH)]
+        for future in [pool.submit(chunk.fill_, 0) for chunk in chunks]:
+            future.result()
+
+    def carve(self, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """One empty tensor shaped like each of ``tensors``, in the buffer; None if they do not fit."""
+        if sum(aligned(t.numel() * t.element_size()) for t in tensors) > self.nbytes:
+            return None
+        out, at, storage = [], 0, self.tensor.untyped_storage()
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            out.append(torch.empty(0, dtype=t.dtype).set_(storage[at:at + n], 0, t.shape))
+            at += aligned(n)
+        return out
 
 
 class Regions:
@@ -113,6 +147,7 @@ class StagedFiles:
         self._files = files
         self.regions = regions if regions is not None else Regions()
         self._copies = list(copies or [])  # futures of the copies aside
+        self.copied_aside = bool(self._copies)
         self._released = threading.Event()
 
     @property
@@ -142,11 +177,19 @@ class StagedFiles:
 class HostStoreStager:
     """Stages saves of one engine whose host store is ``host_buffers``."""
 
-    def __init__(self, host_buffers):
+    def __init__(self, host_buffers, aside_bytes: int = 0):
+        """``aside_bytes``: host memory to reserve now for the copies aside (0: none; each save that
+        copies aside allocates its own)."""
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
-        self._pool = None  # the copy threads, made at the first save that copies aside
+        self._pool = None  # the copy threads, made at the first save that copies aside (or here)
+        self.aside = AsideBuffer(aside_bytes, self._threads()) if aside_bytes else None
         self._last_copied = False
         self._reset()
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="deepspeed-offload-ckpt-copy")
+        return self._pool
 
     def _reset(self):
         self._regions = Regions()
@@ -188,14 +231,19 @@ class HostStoreStager:
     def _copy_aside(self):
         """Give every alias a tensor of its own, filled by the copy threads in the store's order; the
         futures of the copies."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="deepspeed-offload-ckpt-copy")
-        regions, futures = self._regions, []
-        for (start, nbytes), alias in sorted(self._views.items()):
-            src = alias.detach()  # the store's bytes
-            alias.data = torch.empty_like(src)
-            futures.append(self._pool.submit(_copy, regions, start, nbytes, src, alias.data))
+        pool, regions, futures = self._threads(), self._regions, []
+        views = sorted(self._views.items())
+        sources = [alias.detach() for _, alias in views]  # the store's bytes
+        targets = self.aside.carve(sources) if self.aside is not None else None
+        for ((start, nbytes), alias), src, dst in zip(views, sources, targets or [None] * len(views)):
+            alias.data = torch.empty_like(src) if dst is None else dst
+            futures.append(pool.submit(_copy, regions, start, nbytes, src, alias.data))
         return futures
+
+    @property
+    def aside_bytes(self) -> int:
+        """Host memory reserved for the copies aside (0: none)."""
+        return 0 if self.aside is None else self.aside.nbytes
 
     def stage(self, engine, deepspeed_save: Callable, save_dir, tag, staging, client_state,
               exclude_frozen_parameters, copy_aside: Optional[bool] = None
@@ -227,7 +275,8 @@ class HostStoreStager:
                                            "asynchronous checkpoint cannot write it atomically")
             files.append((os.path.join(staging, rel), obj))
         nbytes = sum(n for _, n in self._views)
-        fits = nbytes <= HostMemory.read().usable if copy_aside is None else copy_aside
+        reserved = self.aside is not None and sum(aligned(n) for _, n in self._views) <= self.aside.nbytes
+        fits = (reserved or nbytes <= HostMemory.read().usable) if copy_aside is None else copy_aside
         self._last_copied = bool(nbytes) and fits
         staged = StagedFiles(files, self._regions, self._copy_aside() if self._last_copied else ())
         self._reset()
@@ -242,6 +291,7 @@ class HostStoreStager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self.aside = None
 
 
 def _copy(regions: Regions, start: int, nbytes: int, src: torch.Tensor, dst: torch.Tensor):

@@ -9,7 +9,7 @@ import os
 from typing import Optional
 
 from .errors import describe_os_error
-from .files import DIGEST, file_digest, read_json
+from .files import WHOLE, file_digest, read_json
 from .names import CKPT_FILE_RE, MARKER_RE
 
 
@@ -61,12 +61,15 @@ def verify_checkpoint(tag_dir, rank: int = 0, world: int = 1) -> Optional[str]:
     for r, entry in sorted(markers.items()):
         if r % world != rank:
             continue
+        algorithm = entry.get("digest", WHOLE)  # the markers of earlier versions: sha256 of the whole file
         for name, info in sorted(entry["files"].items()):
             path = os.path.join(tag_dir, name)
             try:
-                digest = file_digest(path)
+                digest = file_digest(path, algorithm)
             except OSError as e:
                 return f"reading {path} (written by rank {r}) failed: {describe_os_error(e, path)}"
-            if digest != info.get(DIGEST):
-                return f"{path} (written by rank {r}) does not match its {DIGEST} digest: the file is damaged"
+            except ValueError as e:
+                return f"{path} (written by rank {r}) cannot be verified: {e}"
+            if digest != info.get(algorithm):
+                return f"{path} (written by rank {r}) does not match its {algorithm} digest: the file is damaged"
     return None

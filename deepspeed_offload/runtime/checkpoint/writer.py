@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -24,7 +24,7 @@ from deepspeed.utils import log_dist
 
 from .commit import commit
 from .errors import CheckpointWriteError, describe_os_error
-from .files import DIGEST, atomic_write, file_digest, fsync_dir, publish, read_text, remove, serialize
+from .files import DIGEST, atomic_write, file_digest, fsync_dir, fsync_file, publish, read_text, remove, serialize
 from .names import FAILED, MARKER, staging_dir
 from .options import NO_FAULTS, Faults, Settings
 from .staging import StagedFiles
@@ -84,27 +84,30 @@ class Heartbeat:
 
 
 def write_async(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, settings: Settings = Settings(),
-                faults: Faults = NO_FAULTS) -> Future:
+                faults: Faults = NO_FAULTS, phases: Optional[dict] = None) -> Future:
     """Start writing ``staged`` (and, on rank 0, committing the save) in a thread of its own; the
-    heartbeat is stopped once this rank's files are written. Returns the write's Future."""
+    heartbeat is stopped once this rank's files are written. Returns the write's Future; ``phases``
+    (if given) gets the seconds of each phase of this rank's write."""
     future = Future()
     future.set_running_or_notify_cancel()
-    threading.Thread(target=_run, args=(job, staged, heartbeat, settings, faults, future),
+    threading.Thread(target=_run, args=(job, staged, heartbeat, settings, faults, future,
+                                        {} if phases is None else phases),
                      name="deepspeed-offload-ckpt").start()
     return future
 
 
-def _run(job, staged, heartbeat, settings, faults, future):
+def _run(job, staged, heartbeat, settings, faults, future, phases):
     error, seconds = None, None
     try:
         t0 = time.perf_counter()
-        error = _write_files(job, staged, heartbeat, faults)
+        error = _write_files(job, staged, heartbeat, faults, phases)
         if error is None and job.rank == 0:
             error = _commit(job, settings, faults)
             if error is None:
                 seconds = time.perf_counter() - t0
+                took = ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in phases.items())
                 log_dist(f"[deepspeed-offload] checkpoint {job.tag} written and committed in the background in "
-                         f"{seconds:.3f} s", ranks=[0])
+                         f"{seconds:.3f} s ({took})", ranks=[0])
     finally:
         # A fresh exception, never raised: it holds no traceback, hence no frame of the write.
         if error is not None:
@@ -113,30 +116,44 @@ def _run(job, staged, heartbeat, settings, faults, future):
             future.set_result(seconds)
 
 
-def _write_files(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, faults: Faults) -> Optional[str]:
-    """This rank's files and marker, in the staging directory. The failure, or None."""
+def _write_files(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, faults: Faults,
+                 phases: dict) -> Optional[str]:
+    """This rank's files and marker, in the staging directory; the seconds of each phase into
+    ``phases``. The failure, or None."""
     written = {}
     where = job.staging
     failed = False
     try:
         try:
+            t = time.perf_counter()
             staged.wait_copied()
+            phases["copy_aside_s"] = time.perf_counter() - t
+            t = time.perf_counter()
             for path, obj in staged.files:
                 where = path
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 if faults.before_file is not None:
                     faults.before_file(path)
-                written[os.path.relpath(path, job.staging)] = {"bytes": serialize(path, obj, job.zipfile,
-                                                                                  staged.regions.done)}
+                # copied aside: nothing waits for the serialization, so the disk may set the pace from
+                # the first byte; written from the store, the step may wait for it: the page cache's
+                written[os.path.relpath(path, job.staging)] = {"bytes": serialize(
+                    path, obj, job.zipfile, staged.regions.done, start_writeback=staged.copied_aside)}
+            phases["serialize_s"] = time.perf_counter() - t
         finally:
             # Serialized (or failed): the host store is no longer read, the step may overwrite it.
             obj = None  # noqa: F841 - no reference to the last snapshot either
             staged.release()
-        for name, record in written.items():
-            where = os.path.join(job.staging, name)
-            record[DIGEST] = file_digest(f"{where}.tmp")  # from the page cache, after the release
-            publish(where, faults.before_file)
+        t = time.perf_counter()
+        with ThreadPoolExecutor(1, thread_name_prefix="deepspeed-offload-fsync") as flusher:
+            for name, record in written.items():
+                where = os.path.join(job.staging, name)
+                # the disk flushes the file while its digest is taken from the page cache
+                flushed = flusher.submit(fsync_file, f"{where}.tmp")
+                record[DIGEST] = file_digest(f"{where}.tmp")
+                flushed.result()
+                publish(where, faults.before_file)  # (its fsync has nothing left to write)
         fsync_dir(job.staging)
+        phases["hash_and_flush_s"] = time.perf_counter() - t
         where = os.path.join(job.staging, MARKER.format(job.rank))
         marker = {"save_id": job.save_id, "tag": job.tag, "rank": job.rank, "world": job.world,
                   "digest": DIGEST, "files": written}
