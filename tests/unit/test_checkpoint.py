@@ -161,6 +161,18 @@ def test_the_digest_hashes_pieces_in_parallel_and_reads_the_earlier_whole_file_o
         str(tag_dir), 0, 1)
 
 
+def test_work_in_threads_keeps_order_raises_and_needs_no_thread(monkeypatch):
+    assert files.map_in_threads(lambda x: x * x, range(50), 4) == [x * x for x in range(50)]
+    with pytest.raises(ZeroDivisionError):
+        files.map_in_threads(lambda x: 1 // (x - 7), range(20), 4)
+
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(files.threading.Thread, "start", refused)  # the caller's thread does it all
+    assert files.map_in_threads(lambda x: -x, range(10), 8) == [-x for x in range(10)]
+
+
 def test_the_writer_starts_the_disk_while_it_serializes(tmp_path, monkeypatch):
     """With ``start_writeback`` (the state copied aside) the disk is asked to write each
     WRITEBACK_EVERY bytes as they are serialized, in order and covering what was written; without it, never."""
@@ -774,11 +786,12 @@ assert ours == [], ours  # importing registers nothing
 class Engine:
     global_steps = 1
 
-    def __init__(self):
+    def __init__(self, numel=2):
         self.checkpoint_engine = types.SimpleNamespace()
+        self.numel = numel
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
-        self.checkpoint_engine.save({"w": torch.ones(2)}, os.path.join(save_dir, tag, "model.pt"))
+        self.checkpoint_engine.save({"w": torch.ones(self.numel)}, os.path.join(save_dir, tag, "model.pt"))
 
     def load_checkpoint(self, *a, **k):
         pass
@@ -791,22 +804,29 @@ def full(path):
     raise OSError(28, "No space left on device")
 
 
-engine = Engine()
+engine, good = Engine(), Engine(numel=100_000)
 ck.AsyncCheckpointer(engine, [], faults=ck.Faults(before_file=full))
-ck.AsyncCheckpointer(Engine(), [])
+ck.AsyncCheckpointer(good, [], faults=ck.Faults(before_file=lambda path: __import__("time").sleep(0.5)))
 assert ours == ["wait_for_writers_at_exit"], ours  # once, by the first checkpointer
+from deepspeed_offload.runtime.checkpoint import files
+files.PIECE = 4096  # the good save's file in 98 pieces, hashed by threads started while the interpreter exits
+good.save_checkpoint(os.path.join(sys.argv[1], "good"), tag="g")
 engine.save_checkpoint(sys.argv[1], tag="t")
-print("saved", flush=True)  # and the script ends without waiting for the write
+print("saved", flush=True)  # and the script ends without waiting for the writes
 """
 
 
-def test_the_exit_hook_comes_with_the_first_checkpointer_and_fails_the_process(tmp_path):
+def test_the_exit_hook_comes_with_the_first_checkpointer_and_fails_the_process(tmp_path, monkeypatch):
     env = dict(os.environ, PYTHONPATH=str(Path(deepspeed_offload.__file__).parents[1]))
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           env=env, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "saved" in proc.stdout, out[-3000:]
     assert "[deepspeed-offload] writing checkpoint" in out and "No space left on device (ENOSPC)" in out, out[-3000:]
+    # the other engine's write, still running when the script ended, finished during the exit
+    assert (tmp_path / "good" / "latest").read_text() == "g", out[-3000:]
+    monkeypatch.setattr(files, "PIECE", 4096)  # as the script hashed it
+    assert ck.verify_checkpoint(str(tmp_path / "good" / "g")) is None and "good/g" not in out
 
 
 def test_our_own_errors_are_described_as_they_are():

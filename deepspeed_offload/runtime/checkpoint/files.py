@@ -15,8 +15,8 @@ import ctypes.util
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+import threading
+from typing import Callable, List, Optional, Sequence
 
 import numpy
 import torch
@@ -203,11 +203,46 @@ def _pieces_digest(path) -> str:
                 offset += len(data)
             return h.digest()
 
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="deepspeed-offload-hash") as pool:
-            pieces = list(pool.map(piece, range(0, size, PIECE)))
+        pieces = map_in_threads(piece, range(0, size, PIECE), HASH_THREADS)
     finally:
         os.close(fd)
     return hashlib.new(WHOLE, b"".join(pieces)).hexdigest()
+
+
+def map_in_threads(fn: Callable, items: Sequence, threads: int) -> List:
+    """``[fn(x) for x in items]``, computed by up to ``threads`` threads (the caller's among them).
+    Plain threads, not an executor: the writer goes on at interpreter exit, when concurrent.futures
+    refuses new work. Where no thread can be started, the caller's thread does it all. Raises the
+    first error."""
+    items = list(items)
+    results, errors = [None] * len(items), []
+    todo, lock = iter(range(len(items))), threading.Lock()
+
+    def work():
+        while not errors:
+            with lock:
+                k = next(todo, None)
+            if k is None:
+                return
+            try:
+                results[k] = fn(items[k])
+            except BaseException as e:  # noqa: B902 - raised by the caller
+                errors.append(e)
+
+    helpers = []
+    for _ in range(min(threads, len(items)) - 1):
+        t = threading.Thread(target=work, name="deepspeed-offload-hash", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # the interpreter is past starting threads
+            break
+        helpers.append(t)
+    work()
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def remove(path):

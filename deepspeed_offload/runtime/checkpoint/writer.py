@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -24,7 +24,8 @@ from deepspeed.utils import log_dist
 
 from .commit import commit
 from .errors import CheckpointWriteError, describe_os_error
-from .files import DIGEST, atomic_write, file_digest, fsync_dir, fsync_file, publish, read_text, remove, serialize
+from .files import (DIGEST, atomic_write, file_digest, fsync_dir, fsync_file, map_in_threads, publish, read_text, remove,
+                    serialize)
 from .names import FAILED, MARKER, staging_dir
 from .options import NO_FAULTS, Faults, Settings
 from .staging import StagedFiles
@@ -144,14 +145,13 @@ def _write_files(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, faults
             obj = None  # noqa: F841 - no reference to the last snapshot either
             staged.release()
         t = time.perf_counter()
-        with ThreadPoolExecutor(1, thread_name_prefix="deepspeed-offload-fsync") as flusher:
-            for name, record in written.items():
-                where = os.path.join(job.staging, name)
-                # the disk flushes the file while its digest is taken from the page cache
-                flushed = flusher.submit(fsync_file, f"{where}.tmp")
-                record[DIGEST] = file_digest(f"{where}.tmp")
-                flushed.result()
-                publish(where, faults.before_file)  # (its fsync has nothing left to write)
+        for name, record in written.items():
+            where = os.path.join(job.staging, name)
+            # the disk flushes the file while its digest is taken from the page cache
+            tmp = f"{where}.tmp"
+            record[DIGEST] = map_in_threads(lambda flush: fsync_file(tmp) if flush else file_digest(tmp),
+                                            (False, True), 2)[0]
+            publish(where, faults.before_file)  # (its fsync has nothing left to write)
         fsync_dir(job.staging)
         phases["hash_and_flush_s"] = time.perf_counter() - t
         where = os.path.join(job.staging, MARKER.format(job.rank))
