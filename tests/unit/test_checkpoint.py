@@ -161,6 +161,26 @@ def test_the_digest_hashes_pieces_in_parallel_and_reads_the_earlier_whole_file_o
         str(tag_dir), 0, 1)
 
 
+@pytest.mark.parametrize("threads_start", [True, False], ids=["workers", "no_thread_can_start"])
+def test_the_digest_is_taken_while_the_file_is_written(tmp_path, monkeypatch, threads_start):
+    """Pieces are hashed from the page cache as soon as the writer has passed them (not before: the
+    bytes still in the write buffer are flushed first), and the digest is the definition's; where no
+    thread can start (interpreter exit), the pieces are hashed at the end."""
+    monkeypatch.setattr(files, "PIECE", 4096)
+    seen = []
+    real = files._hash_range
+    monkeypatch.setattr(files, "_hash_range", lambda fd, at, end, path: (seen.append((at, os.fstat(fd).st_size)),
+                                                                          real(fd, at, end, path))[1])
+    if not threads_start:
+        monkeypatch.setattr(files.threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("exit")))
+    obj = {"a": torch.arange(20_000, dtype=torch.float32), "b": [torch.ones(3000), "meta"]}
+    size, digest = files.serialize(str(tmp_path / "x.pt"), obj, True)
+    data = (tmp_path / "x.pt.tmp").read_bytes()
+    assert size == len(data) and digest == pieces_digest(data, 4096)
+    assert sorted(at for at, _ in seen) == list(range(0, size, 4096))  # each piece once
+    assert all(on_disk >= min(size, at + 4096) for at, on_disk in seen)  # hashed once written out
+
+
 def test_work_in_threads_keeps_order_raises_and_needs_no_thread(monkeypatch):
     assert files.map_in_threads(lambda x: x * x, range(50), 4) == [x * x for x in range(50)]
     with pytest.raises(ZeroDivisionError):
@@ -180,11 +200,12 @@ def test_the_writer_starts_the_disk_while_it_serializes(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "_SYNC_FILE_RANGE", lambda fd, offset, n, flags: calls.append((offset, n, flags)))
     monkeypatch.setattr(files, "WRITEBACK_EVERY", 4096)
     obj = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(5000)}
-    size = files.serialize(str(tmp_path / "x.pt"), obj, True, start_writeback=True)
+    size, digest = files.serialize(str(tmp_path / "x.pt"), obj, True, start_writeback=True)
     assert calls and calls[0][0] == 0 and all(f == files.SYNC_FILE_RANGE_WRITE for _, _, f in calls)
     assert all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))  # contiguous, in order
     assert size - 4096 < calls[-1][0] + calls[-1][1] <= size
     assert torch.equal(torch.load(f"{tmp_path / 'x.pt'}.tmp", weights_only=True)["a"], obj["a"])
+    assert digest == files.file_digest(f"{tmp_path / 'x.pt'}.tmp")
     calls.clear()
     files.serialize(str(tmp_path / "y.pt"), obj, True)
     assert calls == []
@@ -700,7 +721,7 @@ def test_copies_aside_go_into_the_buffer_reserved_at_attach(tmp_path, monkeypatc
     assert ckpt.synchronize_staging(10)
     assert ckpt.stager.copies_aside and len(targets) == 3 and not any(inside(t) for t in targets)
     ckpt.wait()
-    assert ckpt.last["phases"].keys() == {"copy_aside_s", "serialize_s", "hash_and_flush_s"}
+    assert ckpt.last["phases"].keys() == {"copy_aside_s", "serialize_s", "flush_s"}
 
 
 def test_without_the_guard_the_step_does_not_wait(tmp_path, monkeypatch):

@@ -4,9 +4,10 @@ from is free to change as soon as its bytes reached the file.
 ``serialize`` writes through ``TrackedFile`` into ``<path>.tmp`` and reports each write's source memory
 once the write returned (staging.py's ``Regions``: the step may overwrite that part of the host store
 then) and, when asked, starts the disk writing what it has (``sync_file_range``), so the disk is busy
-while the file is still being serialized. The digest is taken afterwards from the page cache
-(``file_digest``: the file's 32 MiB pieces hashed by several threads), off the step's way, while the
-disk flushes; ``publish`` fsyncs and renames into place; ``atomic_write`` does both for the small
+while the file is still being serialized. The digest (sha256 of the file's 32 MiB pieces) is taken
+meanwhile: each piece written is read back from the page cache and hashed by worker threads
+(``PieceHasher``; ``file_digest`` does the same for a whole file at load), off the step's way;
+``publish`` fsyncs and renames into place; ``atomic_write`` does both for the small
 files (markers, the journal, ``latest``). What this package reads back it reads as JSON.
 """
 
@@ -15,8 +16,9 @@ import ctypes.util
 import hashlib
 import json
 import os
+import queue
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy
 import torch
@@ -52,11 +54,89 @@ def address(data) -> int:
     return int(numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data)
 
 
+def _hash_range(fd: int, offset: int, end: int, path) -> bytes:
+    h = hashlib.new(WHOLE)
+    while offset < end:
+        data = os.pread(fd, end - offset, offset)
+        if not data:
+            raise OSError(f"{path} ended at byte {offset} while being hashed (it should reach {end})")
+        h.update(data)
+        offset += len(data)
+    return h.digest()
+
+
+class PieceHasher:
+    """``DIGEST`` of a file taken while it is written: each piece the writer has passed (``written``)
+    is read back from the page cache and hashed by worker threads, so the digest is ready soon after
+    the file is. Plain threads (the writer goes on at interpreter exit, see ``map_in_threads``); the
+    pieces no worker took are hashed by ``digest``."""
+
+    def __init__(self, path, threads: int = HASH_THREADS):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        self._todo: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._done: Dict[int, bytes] = {}
+        self._errors: List[BaseException] = []
+        self._handed = 0  # pieces handed to the workers
+        self._threads = threads
+        self._workers: List[threading.Thread] = []
+
+    def _work(self):
+        while True:
+            k = self._todo.get()
+            if k is None:
+                return
+            if not self._errors:
+                try:
+                    self._done[k] = _hash_range(self._fd, k * PIECE, (k + 1) * PIECE, self.path)
+                except BaseException as e:  # noqa: B902 - raised by digest()
+                    self._errors.append(e)
+
+    def written(self, nbytes: int):
+        """The file holds its first ``nbytes`` bytes, for good (torch.save only appends)."""
+        while self._handed < nbytes // PIECE:
+            if len(self._workers) < self._threads:
+                t = threading.Thread(target=self._work, name="deepspeed-offload-hash", daemon=True)
+                try:
+                    t.start()
+                    self._workers.append(t)
+                except RuntimeError:  # the interpreter is past starting threads: digest() hashes it
+                    self._threads = len(self._workers)
+            if not self._workers:
+                return
+            self._todo.put(self._handed)
+            self._handed += 1
+
+    def _stop(self):
+        for _ in self._workers:
+            self._todo.put(None)
+        for t in self._workers:
+            t.join()
+        self._workers = []
+
+    def digest(self, size: int) -> str:
+        """The digest of the file, ``size`` bytes long and written whole."""
+        self._stop()
+        if self._errors:
+            raise self._errors[0]
+        count = -(-size // PIECE)
+        rest = [k for k in range(count) if k not in self._done]
+        for k, d in zip(rest, map_in_threads(lambda k: _hash_range(self._fd, k * PIECE, min(size, (k + 1) * PIECE),
+                                                                   self.path), rest, HASH_THREADS)):
+            self._done[k] = d
+        return hashlib.new(WHOLE, b"".join(self._done[k] for k in range(count))).hexdigest()
+
+    def close(self):
+        self._stop()
+        os.close(self._fd)
+
+
 class TrackedFile:
     """Write-only file object for torch.save: each write goes to the file and, once it returned (the
     bytes are the kernel's), ``on_written(address, nbytes)`` hears of the memory it read. It has no
-    ``fileno``, so torch.save writes everything through ``write``. With ``start_writeback`` the disk
-    is asked to start writing every ``WRITEBACK_EVERY`` bytes (where the OS offers it)."""
+    ``fileno`` or ``seek``, so torch.save writes everything through ``write``, in order. The pieces
+    written are hashed meanwhile (``PieceHasher``). With ``start_writeback`` the disk is asked to
+    start writing every ``WRITEBACK_EVERY`` bytes (where the OS offers it)."""
 
     def __init__(self, path, on_written: Optional[Callable[[int, int], None]] = None, start_writeback: bool = False):
         self.path = path
@@ -66,6 +146,11 @@ class TrackedFile:
         self.os_error = None  # the first OSError, which torch may re-raise as something vaguer
         self._writeback = start_writeback and _SYNC_FILE_RANGE is not None
         self._kicked = 0  # bytes the disk was asked to write so far
+        try:
+            self.hasher = PieceHasher(path)
+        except BaseException:
+            self._f.close()
+            raise
 
     def write(self, data):
         view = memoryview(data)
@@ -77,9 +162,11 @@ class TrackedFile:
         self.nbytes += view.nbytes
         if self.on_written is not None and view.nbytes:
             self.on_written(address(view), view.nbytes)
-        if self._writeback and self.nbytes - self._kicked >= WRITEBACK_EVERY:
-            self._f.flush()
-            # best effort: a failure here only means the final fsync has more to do
+        kick = self._writeback and self.nbytes - self._kicked >= WRITEBACK_EVERY
+        if kick or self.nbytes // PIECE > (self.nbytes - view.nbytes) // PIECE:
+            self._f.flush()  # in the file (not the write buffer) before it is hashed or written out
+            self.hasher.written(self.nbytes)
+        if kick:  # best effort: a failure here only means the final fsync has more to do
             _SYNC_FILE_RANGE(self._f.fileno(), self._kicked, self.nbytes - self._kicked, SYNC_FILE_RANGE_WRITE)
             self._kicked = self.nbytes
         return n
@@ -96,20 +183,23 @@ class TrackedFile:
 
 
 def serialize(path, obj, zipfile: bool, on_written: Optional[Callable[[int, int], None]] = None,
-              start_writeback: bool = False) -> int:
+              start_writeback: bool = False) -> "tuple[int, str]":
     """torch.save ``obj`` to ``path.tmp`` (into the page cache, the disk started on it with
-    ``start_writeback``); its size."""
+    ``start_writeback``); its size and ``DIGEST`` (taken from the page cache as it was written)."""
     f = TrackedFile(f"{path}.tmp", on_written, start_writeback)
     try:
         try:
-            torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
+            try:
+                torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
+            finally:
+                f.close()
+            return f.nbytes, f.hasher.digest(f.nbytes)
         finally:
-            f.close()
+            f.hasher.close()
     except BaseException as e:  # noqa: B902 - torch turns a failed write into "unexpected pos ..."
         if f.os_error is not None:
             raise f.os_error from e
         raise
-    return f.nbytes
 
 
 def fsync_file(path):
@@ -191,19 +281,8 @@ def _pieces_digest(path) -> str:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-
-        def piece(offset):
-            h = hashlib.new(WHOLE)
-            end = min(size, offset + PIECE)
-            while offset < end:
-                data = os.pread(fd, end - offset, offset)
-                if not data:
-                    raise OSError(f"{path} ended at byte {offset} while being hashed (it was {size} bytes)")
-                h.update(data)
-                offset += len(data)
-            return h.digest()
-
-        pieces = map_in_threads(piece, range(0, size, PIECE), HASH_THREADS)
+        pieces = map_in_threads(lambda at: _hash_range(fd, at, min(size, at + PIECE), path), range(0, size, PIECE),
+                                HASH_THREADS)
     finally:
         os.close(fd)
     return hashlib.new(WHOLE, b"".join(pieces)).hexdigest()

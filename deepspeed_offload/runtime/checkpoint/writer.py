@@ -5,8 +5,9 @@ torch.distributed.checkpoint's async executor does): its result is the seconds t
 commit took on rank 0 (None on other ranks), its exception the ``CheckpointWriteError`` saying what
 failed. The writer waits for the copies aside (staging.py), serializes each staged file into
 ``<file>.tmp`` (each host-store tensor it writes from the store is free to change once written:
-``Regions``), releases the staged tensors, then hashes the files from the page cache (off the step's
-way), fsyncs and renames them and writes this rank's marker; rank 0 then commits (commit.py). A rank whose write
+``Regions``; the pieces written are hashed from the page cache meanwhile, files.py), releases the
+staged tensors, fsyncs and renames the files and writes this rank's marker; rank 0 then commits
+(commit.py). A rank whose write
 fails removes its own ``.tmp`` files, leaves the cause in its ``.failed`` file and removes its
 heartbeat, so rank 0 stops waiting for it at once. The thread is not a daemon: the interpreter
 waits for it at exit.
@@ -24,8 +25,7 @@ from deepspeed.utils import log_dist
 
 from .commit import commit
 from .errors import CheckpointWriteError, describe_os_error
-from .files import (DIGEST, atomic_write, file_digest, fsync_dir, fsync_file, map_in_threads, publish, read_text, remove,
-                    serialize)
+from .files import DIGEST, atomic_write, fsync_dir, publish, read_text, remove, serialize
 from .names import FAILED, MARKER, staging_dir
 from .options import NO_FAULTS, Faults, Settings
 from .staging import StagedFiles
@@ -137,23 +137,19 @@ def _write_files(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, faults
                     faults.before_file(path)
                 # copied aside: nothing waits for the serialization, so the disk may set the pace from
                 # the first byte; written from the store, the step may wait for it: the page cache's
-                written[os.path.relpath(path, job.staging)] = {"bytes": serialize(
-                    path, obj, job.zipfile, staged.regions.done, start_writeback=staged.copied_aside)}
+                nbytes, digest = serialize(path, obj, job.zipfile, staged.regions.done,
+                                           start_writeback=staged.copied_aside)
+                written[os.path.relpath(path, job.staging)] = {"bytes": nbytes, DIGEST: digest}
             phases["serialize_s"] = time.perf_counter() - t
         finally:
             # Serialized (or failed): the host store is no longer read, the step may overwrite it.
             obj = None  # noqa: F841 - no reference to the last snapshot either
             staged.release()
         t = time.perf_counter()
-        for name, record in written.items():
-            where = os.path.join(job.staging, name)
-            # the disk flushes the file while its digest is taken from the page cache
-            tmp = f"{where}.tmp"
-            record[DIGEST] = map_in_threads(lambda flush: fsync_file(tmp) if flush else file_digest(tmp),
-                                            (False, True), 2)[0]
-            publish(where, faults.before_file)  # (its fsync has nothing left to write)
+        for name in written:
+            publish(os.path.join(job.staging, name), faults.before_file)
         fsync_dir(job.staging)
-        phases["hash_and_flush_s"] = time.perf_counter() - t
+        phases["flush_s"] = time.perf_counter() - t
         where = os.path.join(job.staging, MARKER.format(job.rank))
         marker = {"save_id": job.save_id, "tag": job.tag, "rank": job.rank, "world": job.world,
                   "digest": DIGEST, "files": written}
