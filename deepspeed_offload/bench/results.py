@@ -28,7 +28,9 @@ def from_rows(rows):
 
 
 PIPELINED_PEAKS = ("pipelined_peak_GiB", "pipelined_peak_reserved_GiB")
-ROUND_KEYS = ("iter_s", "fwd_bwd_s", "step_s", "pipelined_iter_s")  # each round's own, under ``rounds``
+# each round's own, under ``rounds`` (the checkpoint mode's save timings too)
+ROUND_KEYS = ("iter_s", "fwd_bwd_s", "step_s", "pipelined_iter_s", "sync_save_s", "async_blocking_s",
+              "async_background_s", "iters_during_write_s", "write_phases_s")
 
 
 def unmeasured(r):
