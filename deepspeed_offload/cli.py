@@ -91,14 +91,19 @@ def _node_line(plan, params: int, world: int, ranks: int) -> str:
     speculates = plan.mode == "stream" and o.overlap and o.speculate_memory_gb != 0
     speculate = -1 if speculates and o.speculate_memory_gb is None else int((o.speculate_memory_gb or 0) * 2**30)
     node = node_plan_for(state, ranks, HostMemory.read(), budget_store, speculate if speculates else 0,
-                         deepspeed_pinned_per_rank(params, world, plan.ds_config))
+                         deepspeed_pinned_per_rank(params, world, plan.ds_config), o.async_checkpoint)
     store, twins = node.store_cap[0], node.twins_cap[0]
     on_gpu = state - store
     speculation = (f"speculation {format_bytes(twins)} per rank (what the stores leave, shared by {ranks} rank(s))"
                    if twins else "speculation off (no host memory is spare after the stores)" if speculates
                    else "speculation off")
     gpu = f", {format_bytes(on_gpu)} of each rank's state stays on the GPU (the host cannot hold it)" if on_gpu else ""
-    return (f"node of {ranks} rank(s): store {format_bytes(store)} per rank{gpu}; {speculation}; pins "
+    aside = node.aside_cap.get(0, 0)
+    ckpt = "" if not o.async_checkpoint else (
+        f"; async_checkpoint reserves {format_bytes(aside)} per rank for its copies aside" if aside else
+        "; async_checkpoint: no room to reserve its copies aside (each save copies where the host then has room, "
+        "else writes from the store)")
+    return (f"node of {ranks} rank(s): store {format_bytes(store)} per rank{gpu}; {speculation}{ckpt}; pins "
             f"{format_bytes(ranks * (store + twins))} of the {format_bytes(node.usable)} it can give")
 
 

@@ -136,7 +136,7 @@ def prepare(engine, plan: Plan) -> Prepared:
                                     deepspeed_pinned=deepspeed_pinned_per_rank(params, world, plan.ds_config),
                                     device_free=device_free,
                                     device_total=0 if synchronous else int(acc.total_memory()),
-                                    checkpoint_aside=int(plan.mode == "stream" and offload.async_checkpoint))
+                                    checkpoint_aside=int(offload.async_checkpoint))
     return Prepared(plan, probe, synchronous, fixed, figures)
 
 

@@ -288,13 +288,14 @@ class MeasuredPlan:
 
 
 def node_plan_for(state: int, ranks: int, memory: HostMemory, budget_store: int = -1, speculate: int = -1,
-                  deepspeed_pinned: int = 0) -> NodePlan:
+                  deepspeed_pinned: int = 0, checkpoint_aside: bool = False) -> NodePlan:
     """The host plan of a node of ``ranks`` alike ranks (``check --params``): what attach would judge."""
     figures = [RankFigures(node=0, local_rank=k, state=state, budget_store=budget_store, speculate=speculate,
                            deepspeed_pinned=deepspeed_pinned, device_free=0, device_total=0,
                            mem_total=memory.total if k == 0 else 0, mem_available=memory.available if k == 0 else 0,
                            cgroup_limit=-1 if k or memory.cgroup_limit is None else memory.cgroup_limit,
-                           cgroup_usage=memory.cgroup_usage if k == 0 else 0) for k in range(ranks)]
+                           cgroup_usage=memory.cgroup_usage if k == 0 else 0, checkpoint_aside=int(checkpoint_aside))
+               for k in range(ranks)]
     return plan_node(figures, 0)
 
 

@@ -724,6 +724,28 @@ def test_copies_aside_go_into_the_buffer_reserved_at_attach(tmp_path, monkeypatc
     assert ckpt.last["phases"].keys() == {"copy_aside_s", "serialize_s", "flush_s"}
 
 
+def test_a_buffer_that_cannot_be_reserved_is_done_without(tmp_path, monkeypatch, caplog):
+    """The host ran short between attach's judgment and the reservation: a warning, and each save
+    copies into fresh memory where the host has it (as without a reservation); forget() lets the
+    copy threads and a reserved buffer go."""
+    from deepspeed_offload.runtime.checkpoint import staging
+
+    def short(nbytes, pool):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(staging, "AsideBuffer", short)
+    monkeypatch.setattr(staging.HostMemory, "read", classmethod(lambda cls: HostMemory(total=2**40, available=2**40)))
+    engine, store = store_engine()
+    with caplog.at_level("WARNING"):
+        ckpt = ck.AsyncCheckpointer(engine, [store], aside_bytes=8064)
+    assert ckpt.stager.aside_bytes == 0 and "could not be reserved (DefaultCPUAllocator" in caplog.text
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    ckpt.wait()
+    assert ckpt.stager.copies_aside
+    ckpt.forget()
+    assert ckpt.stager._pool is None and ckpt.stager.aside is None
+
+
 def test_without_the_guard_the_step_does_not_wait(tmp_path, monkeypatch):
     """What the e2e race test turns off (Faults(guard=False)): guard() returns at once."""
     from deepspeed_offload.runtime.checkpoint import staging

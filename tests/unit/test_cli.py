@@ -149,6 +149,13 @@ def test_check_shows_each_ranks_store_and_speculations_share(capsys, fake_host, 
     assert cli_main(["check", str(cfg), "--params", "13000000000", "--ranks-per-node", "1"]) == 0
     big = capsys.readouterr().out
     assert "stays on the GPU (the host cannot hold it); speculation off (no host memory is spare" in big
+    assert "async_checkpoint" not in one + eight + big
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                               "optimizer_state_offload": {"enabled": True, "async_checkpoint": True}}))
+    assert cli_main(["check", str(cfg), "--params", "1000000000", "--ranks-per-node", "1"]) == 0
+    assert "async_checkpoint reserves 11.18 GiB per rank for its copies aside" in capsys.readouterr().out
+    assert cli_main(["check", str(cfg), "--params", "7000000000", "--world-size", "8", "--ranks-per-node", "8"]) == 0
+    assert "async_checkpoint: no room to reserve its copies aside" in capsys.readouterr().out
 
 
 def test_estimate_needs_a_bandwidth_without_gpu(capsys, monkeypatch):

@@ -49,7 +49,7 @@ class AsyncCheckpointer:
         self.faults = faults
         t0 = time.perf_counter()
         self.stager = HostStoreStager(host_buffers, aside_bytes)
-        if aside_bytes:
+        if self.stager.aside_bytes:
             log_dist(f"[deepspeed-offload] async checkpoint: {format_bytes(aside_bytes)} of host memory reserved for "
                      f"the saves' copies aside, touched in {time.perf_counter() - t0:.1f} s", ranks=[0])
         self.staged: Optional[StagedFiles] = None  # the last save's snapshot, until the writer releases it
@@ -264,6 +264,7 @@ class AsyncCheckpointer:
     def forget(self):
         """Take the hooks off without waiting (an attach undone before any save: nothing to wait for)."""
         self._uninstall()
+        self.stager.close()  # the copy threads and the buffer reserved for the copies aside
         _live.discard(self)
 
     def wait(self):

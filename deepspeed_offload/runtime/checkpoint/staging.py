@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from deepspeed.utils import logger
 
-from ...host_memory import HostMemory
+from ...host_memory import HostMemory, format_bytes
 from ..patches import PatchRegistry
 from .errors import CheckpointWriteError
 
@@ -182,7 +183,14 @@ class HostStoreStager:
         copies aside allocates its own)."""
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
         self._pool = None  # the copy threads, made at the first save that copies aside (or here)
-        self.aside = AsideBuffer(aside_bytes, self._threads()) if aside_bytes else None
+        self.aside = None
+        if aside_bytes:
+            try:
+                self.aside = AsideBuffer(aside_bytes, self._threads())
+            except RuntimeError as e:  # the host ran short since attach judged it: saves do without
+                logger.warning(f"[deepspeed-offload] async checkpoint: {format_bytes(aside_bytes)} of host memory "
+                               f"for the copies aside could not be reserved ({e}); each save copies where the host "
+                               "then has room, else writes from the host store")
         self._last_copied = False
         self._reset()
 
