@@ -105,6 +105,10 @@ def _fixed(name, settings):
                              baseline="resident", config={"zero_optimization": {"offload_optimizer": zero_offload}}),
         "checkpoint": dict(offloads=OUR_STATE, baseline="resident", checkpoint=True,
                            config=_stream_block(settings, async_checkpoint=True)),
+        # the block at its defaults with async_checkpoint: the measured plan's resident state saved too
+        "checkpoint_default": dict(offloads=OUR_STATE_BUDGET, baseline="resident", checkpoint=True,
+                                   config={"optimizer_state_offload": {"enabled": True, "async_checkpoint": True,
+                                                                       "sub_group_mb": settings.sub_group_mb}}),
         "compiled": dict(offloads=NOTHING, baseline="resident", compiled=True, config=dc),
         "dc_offload_opt_states": dict(offloads="optimizer states (DeepCompile offload_opt_states)",
                                       baseline="compiled", compiled=True, against_floor=True, config=dc_offload),
@@ -120,7 +124,7 @@ def _fixed(name, settings):
 
 FIXED = ["bandwidth", "resident", "default", "stream", "stream_overlap", "stream_speculate", "stream_prefetch",
          "offload_states", "zero_offload",
-         "colocate", "colocate_stream", "checkpoint", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
+         "colocate", "colocate_stream", "checkpoint", "checkpoint_default", "compiled", "dc_offload_opt_states", "dc_offload_opt_states_full"]
 FAMILIES = ["compile_offload", "stream", "stream_overlap", "default"]
 
 

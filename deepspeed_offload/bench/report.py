@@ -218,7 +218,5 @@ def report(summary):
     lines += [_host_line(mode, r["host"]) for mode, r in results.items() if r.get("host")]
     lines += [_colocation_line(mode, r) for mode, r in results.items() if "colocate_offload_s" in r]
     lines += [x for mode, r in results.items() if "reserved_growth" in r for x in _growth_lines(mode, r)]
-    ck = results.get("checkpoint", {})
-    if "sync_save_s" in ck:
-        lines.append(_checkpoint_line(ck))
+    lines += [f"{mode}: {_checkpoint_line(r)}" for mode, r in results.items() if "sync_save_s" in r]
     return "\n".join(lines)
