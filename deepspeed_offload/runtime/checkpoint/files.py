@@ -29,7 +29,10 @@ import torch
 DIGEST = "sha256-pieces-32MiB"
 WHOLE = "sha256"
 PIECE = 32 << 20
-HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # a whole file (at load)
+# while a file is written: enough to keep ahead of a disk (~1.2 GB/s a thread), few enough to leave
+# the training loop's thread its share of the interpreter
+WRITE_HASH_THREADS = min(2, HASH_THREADS)
 CHUNK = 8 << 20  # bytes read per call when hashing a whole file in one pass
 WRITEBACK_EVERY = 256 << 20  # with ``start_writeback``: the disk is asked to write each this many bytes
 
@@ -147,7 +150,7 @@ class TrackedFile:
         self._writeback = start_writeback and _SYNC_FILE_RANGE is not None
         self._kicked = 0  # bytes the disk was asked to write so far
         try:
-            self.hasher = PieceHasher(path)
+            self.hasher = PieceHasher(path, WRITE_HASH_THREADS)
         except BaseException:
             self._f.close()
             raise

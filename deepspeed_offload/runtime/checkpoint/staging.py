@@ -45,10 +45,11 @@ def aligned(nbytes: int) -> int:
 
 
 class AsideBuffer:
-    """Host memory for the copies aside of every save, reserved once and touched (every page faulted
-    in) by the copy threads when it is made; each save carves its tensors out of it, one storage of
-    exactly its bytes each (so the files hold those bytes only). One save at a time uses it: a save
-    starts once the previous one is written."""
+    """Host memory for the snapshots of every save, reserved once and touched (every page faulted in)
+    by the copy threads when it is made. Each save (``reset``) takes its tensors from it in turn: the
+    device tensors as they are snapshotted (the state the measured plan keeps resident), then the
+    host store's copies aside; one storage of exactly its bytes each (so the files hold those bytes
+    only). One save at a time uses it: a save starts once the previous one is written."""
 
     def __init__(self, nbytes: int, pool: ThreadPoolExecutor):
         self.nbytes = int(nbytes)
@@ -56,17 +57,30 @@ class AsideBuffer:
         chunks = [self.tensor.narrow(0, lo, min(TOUCH, self.nbytes - lo)) for lo in range(0, self.nbytes, TOUCH)]
         for future in [pool.submit(chunk.fill_, 0) for chunk in chunks]:
             future.result()
+        self._at = 0  # bytes this save has taken
+
+    def reset(self):
+        self._at = 0
+
+    def take(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """An empty tensor shaped like ``like`` (contiguous) from what this save has not taken; None if
+        it does not fit."""
+        n = like.numel() * like.element_size()
+        if self._at + n > self.nbytes:
+            return None
+        out = torch.empty(0, dtype=like.dtype).set_(self.tensor.untyped_storage()[self._at:self._at + n], 0, like.shape)
+        self._at += aligned(n)
+        return out
 
     def carve(self, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-        """One empty tensor shaped like each of ``tensors``, in the buffer; None if they do not fit."""
-        if sum(aligned(t.numel() * t.element_size()) for t in tensors) > self.nbytes:
+        """``take`` for each of ``tensors``, or None (nothing taken) if they do not all fit."""
+        if self._at + sum(aligned(t.numel() * t.element_size()) for t in tensors) > self.nbytes:
             return None
-        out, at, storage = [], 0, self.tensor.untyped_storage()
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            out.append(torch.empty(0, dtype=t.dtype).set_(storage[at:at + n], 0, t.shape))
-            at += aligned(n)
-        return out
+        return [self.take(t) for t in tensors]
+
+    @property
+    def free(self) -> int:
+        return self.nbytes - self._at
 
 
 class Regions:
@@ -207,8 +221,13 @@ class HostStoreStager:
         """``obj`` as it is now: host-store tensors copied aside or aliased (module docstring), every
         other tensor and object copied."""
         if torch.is_tensor(obj):
-            if obj.device.type == "cpu" and obj.untyped_storage().data_ptr() in self._host_storages:
+            on_device = obj.device.type != "cpu"
+            # a device tensor goes into the reserved buffer (memory already faulted in) where it fits
+            dst = self.aside.take(obj) if on_device and obj.is_contiguous() and self.aside is not None else None
+            if not on_device and obj.untyped_storage().data_ptr() in self._host_storages:
                 alias = self._from_store(obj.detach())
+            elif dst is not None:
+                alias = dst.copy_(obj.detach())
             else:
                 alias = obj.detach().to("cpu", copy=True)
             if obj.requires_grad:
@@ -262,6 +281,8 @@ class HostStoreStager:
         the checkpoint engine's serialization format (zipfile or not). The copies aside, where the
         node has the memory for them (``copy_aside`` None) or where asked, run in the background from here."""
         self._reset()
+        if self.aside is not None:
+            self.aside.reset()  # the previous save is written: its tensors are gone
         capture = Capture(engine.checkpoint_engine, self.snapshot)
         scripts = []
         swap = PatchRegistry("deepspeed-offload checkpoint capture")  # for the length of this save only
@@ -283,7 +304,7 @@ class HostStoreStager:
                                            "asynchronous checkpoint cannot write it atomically")
             files.append((os.path.join(staging, rel), obj))
         nbytes = sum(n for _, n in self._views)
-        reserved = self.aside is not None and sum(aligned(n) for _, n in self._views) <= self.aside.nbytes
+        reserved = self.aside is not None and sum(aligned(n) for _, n in self._views) <= self.aside.free
         fits = (reserved or nbytes <= HostMemory.read().usable) if copy_aside is None else copy_aside
         self._last_copied = bool(nbytes) and fits
         staged = StagedFiles(files, self._regions, self._copy_aside() if self._last_copied else ())
