@@ -724,6 +724,51 @@ def test_copies_aside_go_into_the_buffer_reserved_at_attach(tmp_path, monkeypatc
     assert ckpt.last["phases"].keys() == {"copy_aside_s", "serialize_s", "flush_s"}
 
 
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: what the snapshot sees of the state the plan keeps resident."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_device_tensors_are_snapshotted_into_the_reserved_buffer(tmp_path, monkeypatch):
+    """The measured plan's resident state (device tensors) is copied into the reserved buffer first,
+    the store's copies aside into what is left; a device tensor that does not fit, or is not
+    contiguous, is copied into memory of its own. Every file holds the values of the save's moment."""
+    from deepspeed_offload.runtime.checkpoint import staging
+    monkeypatch.setattr(staging.HostMemory, "read", classmethod(lambda cls: HostMemory(total=2**40, available=0)))
+    engine, store = store_engine()  # two store tensors of 4000 bytes
+    resident = torch.full((500, ), 3.0).as_subclass(OnDevice)  # 2000 bytes
+    wide = torch.arange(6000, dtype=torch.float32).reshape(2, 3000)[:, :1000].as_subclass(OnDevice)  # strided
+    engine.files[0][1]["state"].update(r=resident, w=wide)
+    ckpt = ck.AsyncCheckpointer(engine, [store], aside_bytes=staging.aligned(2000) + 2 * staging.aligned(4000))
+    buf = ckpt.stager.aside.tensor
+    inside = lambda t: buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel()  # noqa: E731
+    snapped = {}
+    real = ckpt.stager.snapshot
+    # (recursive: the call that ends last is the whole state dict's)
+    monkeypatch.setattr(ckpt.stager, "snapshot", lambda obj: snapped.__setitem__("sd", real(obj)) or snapped["sd"])
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    assert ckpt.synchronize_staging(10)
+    state = snapped["sd"]["state"]
+    assert inside(state["r"]) and not inside(state["w"]) and ckpt.stager.copies_aside
+    assert inside(state["a"]) and inside(state["b"])  # the store's copies aside in what was left
+    resident.fill_(-1.0)
+    store.fill_(-1.0)
+    ckpt.wait()
+    saved = torch.load(tmp_path / "t" / "optim.pt", weights_only=False)["state"]
+    assert torch.equal(saved["r"], torch.full((500, ), 3.0)) and torch.equal(saved["a"], torch.arange(1000.))
+    assert torch.equal(saved["w"], torch.arange(6000.).reshape(2, 3000)[:, :1000])
+    engine.files[0][1]["state"]["r"] = torch.zeros(5000).as_subclass(OnDevice)  # larger than what is left
+    snapped.clear()
+    engine.save_checkpoint(str(tmp_path), tag="t2")
+    assert ckpt.synchronize_staging(10)
+    state = snapped["sd"]["state"]
+    assert not inside(state["r"]) and inside(state["a"]) and ckpt.stager.copies_aside  # the store's still fit
+    ckpt.wait()
+
+
 def test_a_buffer_that_cannot_be_reserved_is_done_without(tmp_path, monkeypatch, caplog):
     """The host ran short between attach's judgment and the reservation: a warning, and each save
     copies into fresh memory where the host has it (as without a reservation); forget() lets the

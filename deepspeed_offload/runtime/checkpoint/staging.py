@@ -2,9 +2,10 @@
 
 While DeepSpeed builds its state dicts, its checkpoint engine is swapped for ``Capture``, which only
 records them, so the files keep DeepSpeed's names and format (``load_checkpoint`` and
-``zero_to_fp32.py`` work unchanged). Each state dict is snapshotted: device tensors are copied to
-the host now, small CPU tensors and Python objects are copied, and tensors in the host store (fp32
-masters, optimizer moments: the bulk) are taken one of two ways:
+``zero_to_fp32.py`` work unchanged). Each state dict is snapshotted: device tensors (the state the
+measured plan keeps resident) are copied to the host now, into ``AsideBuffer`` where it has room;
+small CPU tensors and Python objects are copied; tensors in the host store (fp32 masters, optimizer
+moments: the bulk) are taken one of two ways:
 
 - **copied aside** (where the node has the host memory spare for it): threads copy each into a tensor
   of its own, in the store's order (the step's), while training goes on; the writer serializes the
@@ -227,7 +228,8 @@ class HostStoreStager:
             if not on_device and obj.untyped_storage().data_ptr() in self._host_storages:
                 alias = self._from_store(obj.detach())
             elif dst is not None:
-                alias = dst.copy_(obj.detach())
+                dst.copy_(obj.detach())
+                alias = dst
             else:
                 alias = obj.detach().to("cpu", copy=True)
             if obj.requires_grad:
