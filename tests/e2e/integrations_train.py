@@ -130,7 +130,9 @@ def accelerate_loop(spec, project_dir):
     from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration, set_seed
 
     set_seed(11)
-    accelerator = Accelerator(mixed_precision="bf16",
+    # with gradient accumulation, Accelerate sets the engine's boundary itself before each backward
+    # (set_gradient_accumulation_boundary) and steps the engine at the boundary only
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=spec.get("gas", 1),
                               deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(spec, auto=True)),
                               project_config=ProjectConfiguration(project_dir=project_dir,
                                                                   automatic_checkpoint_naming=True, total_limit=2))
@@ -143,10 +145,11 @@ def accelerate_loop(spec, project_dir):
     for step, batch in enumerate(loader):
         if step == spec["max_steps"]:
             break
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
         if step + 1 in spec.get("save_at", []):
             accelerator.save_state()
     return model, os.path.join(project_dir, "checkpoints")

@@ -6,7 +6,8 @@ HF Trainer, three launches: without offload (6 steps); with offload and asynchro
 every 2 steps under ``save_total_limit=1``, stopped after step 4 (the schedule still counts 6 steps);
 resumed from that run's ``checkpoint-4`` through ``resume_from_checkpoint``. The writes are slowed
 down (the spec's ``faults``) so that the Trainer's rotation runs while one is in flight
-unless our guard waits for it. Accelerate, one launch: the same loop without and then with offload.
+unless our guard waits for it. Accelerate, one launch: the same loop without and then with offload,
+with gradient accumulation 2 as Accelerate drives it (its boundary set on the engine).
 """
 
 import os
@@ -70,9 +71,12 @@ def test_hf_trainer_resume_is_exact(hf):
 
 
 def test_accelerate_loop(tmp_path):
-    r = run({"framework": "accelerate", "dir": str(tmp_path / "acc"), "max_steps": 6, "save_at": [2, 4, 6],
-             "offload": OFFLOAD, **slow_writes("pytorch_model", 0.5)}, tmp_path, "accelerate")
-    assert r["plain_has_offload"] is False and moved(r)
+    """Gradient accumulation 2 the way Accelerate does it (the boundary set on the engine before each
+    backward, the engine stepped at the boundary only), with speculation on (the default)."""
+    r = run({"framework": "accelerate", "dir": str(tmp_path / "acc"), "max_steps": 12, "save_at": [4, 8, 12],
+             "gas": 2, "offload": OFFLOAD, **slow_writes("pytorch_model", 0.5)}, tmp_path, "accelerate")
+    assert r["plain_has_offload"] is False and moved(r) and r["global_steps"] == 6
+    assert r["stats"]["speculated"] > 0, r["stats"]
     assert_params_equal(r["params"], r["plain_params"])
     # total_limit=2: save_state deleted checkpoint_0 before the third save; the two kept are complete
     assert r["saved"] == {"checkpoint_1": "pytorch_model", "checkpoint_2": "pytorch_model"}
