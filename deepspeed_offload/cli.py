@@ -207,8 +207,8 @@ def _device_memory(ns):
 
 def digest_throughput(gib: float) -> float:
     """GB/s of the checkpoint digest over ``gib`` GiB held in memory, its pieces hashed by as many
-    threads as the writer and the load-time verification use: what they hash per second (reading
-    the files aside)."""
+    threads as the load-time verification uses (the writer uses fewer: the disk sets its pace): what
+    verifying hashes per second, reading the files aside."""
     from concurrent.futures import ThreadPoolExecutor
     from .runtime.checkpoint.files import HASH_THREADS, PIECE, WHOLE
     data = os.urandom(PIECE)

@@ -141,9 +141,10 @@ def plan_node(figures: List[RankFigures], node: int) -> NodePlan:
     plan.twins_cap.update({r: asked.get(r, 0) for r in mine})
     for r in derived:
         plan.twins_cap[r] = min(mine[r].state, spare // max(1, len(derived)))
-    # async_checkpoint's copies aside: a buffer of its store's size for every rank that asks, reserved
-    # at attach where what the stores and the second regions leave holds all of them (speculation,
-    # which every step uses, comes first); else each save judges the host memory it finds then.
+    # async_checkpoint's snapshots (the store's copies aside, the resident state's copies): a buffer of
+    # the store's size (at most its cap) for every rank that asks, reserved at attach where what the
+    # stores and the second regions leave holds all of them (speculation, which every step uses, comes
+    # first); else each save judges the host memory it finds then.
     asking = [r for r, f in mine.items() if f.checkpoint_aside]
     if asking and sum(caps[r] for r in asking) <= usable - sum(caps.values()) - sum(plan.twins_cap.values()):
         plan.aside_cap.update({r: caps[r] for r in asking})

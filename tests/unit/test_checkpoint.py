@@ -769,6 +769,31 @@ def test_device_tensors_are_snapshotted_into_the_reserved_buffer(tmp_path, monke
     ckpt.wait()
 
 
+def test_the_store_copies_keep_their_room_and_empty_device_tensors_stay_apart(tmp_path, monkeypatch):
+    """A buffer of the store's size exactly: a device tensor saved beside the store's (a parameter
+    ZeRO-3 keeps whole on the GPU) does not take the store's copies' room; empty device tensors (the
+    partitioned parameters' placeholders) of different dtypes side by side still save."""
+    from deepspeed_offload.runtime.checkpoint import staging
+    monkeypatch.setattr(staging.HostMemory, "read", classmethod(lambda cls: HostMemory(total=2**40, available=0)))
+    engine, store = store_engine()
+    engine.files.insert(0, ("model.pt", {"ln": torch.ones(10).as_subclass(OnDevice),
+                                         "p": [torch.empty(0, dtype=torch.bfloat16).as_subclass(OnDevice),
+                                               torch.empty(0, dtype=torch.int64).as_subclass(OnDevice),
+                                               torch.empty(0).as_subclass(OnDevice)]}))
+    ckpt = ck.AsyncCheckpointer(engine, [store], aside_bytes=2 * staging.aligned(4000))
+    buf = ckpt.stager.aside.tensor
+    targets, real = [], staging._copy
+    monkeypatch.setattr(staging, "_copy", lambda regions, start, n, src, dst: (targets.append(dst), real(
+        regions, start, n, src, dst)))
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    assert ckpt.synchronize_staging(10) and ckpt.stager.copies_aside
+    assert len(targets) == 2 and all(buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel() for t in targets)
+    ckpt.wait()
+    model = torch.load(tmp_path / "t" / "model.pt", weights_only=False)
+    assert torch.equal(model["ln"], torch.ones(10)) and [t.dtype for t in model["p"]] == [
+        torch.bfloat16, torch.int64, torch.float32]
+
+
 def test_a_buffer_that_cannot_be_reserved_is_done_without(tmp_path, monkeypatch, caplog):
     """The host ran short between attach's judgment and the reservation: a warning, and each save
     copies into fresh memory where the host has it (as without a reservation); forget() lets the

@@ -82,7 +82,7 @@ class AsyncCheckpointer:
             return None
         f = self.future
         done = f is not None and f.done() and f.exception() is None
-        return dict(self._last, background_s=f.result() if done else None)
+        return dict(self._last, phases=dict(self._last["phases"]), background_s=f.result() if done else None)
 
     # ------------------------------------------------------------------ engine entry points
 

@@ -24,7 +24,7 @@ serialized (torch.distributed.checkpoint's ``AsyncStager.stage`` / ``synchronize
 import copy
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,11 +46,12 @@ def aligned(nbytes: int) -> int:
 
 
 class AsideBuffer:
-    """Host memory for the snapshots of every save, reserved once and touched (every page faulted in)
-    by the copy threads when it is made. Each save (``reset``) takes its tensors from it in turn: the
-    device tensors as they are snapshotted (the state the measured plan keeps resident), then the
-    host store's copies aside; one storage of exactly its bytes each (so the files hold those bytes
-    only). One save at a time uses it: a save starts once the previous one is written."""
+    """Host memory for the snapshots of every save, of the host store's size, reserved once and
+    touched (every page faulted in) by the copy threads when it is made. Each save (``reset``) takes
+    its tensors from it in turn: the host store's copies aside first, then the device tensors (the
+    state the measured plan keeps resident, whose store regions the save does not read) in what is
+    left; one storage of exactly its bytes each (so the files hold those bytes only). One save at a
+    time uses it: a save starts once the previous one is written."""
 
     def __init__(self, nbytes: int, pool: ThreadPoolExecutor):
         self.nbytes = int(nbytes)
@@ -64,10 +65,10 @@ class AsideBuffer:
         self._at = 0
 
     def take(self, like: torch.Tensor) -> Optional[torch.Tensor]:
-        """An empty tensor shaped like ``like`` (contiguous) from what this save has not taken; None if
-        it does not fit."""
+        """An empty tensor shaped like ``like`` (contiguous, not empty: two tensors must not share an
+        address) from what this save has not taken; None if it does not fit."""
         n = like.numel() * like.element_size()
-        if self._at + n > self.nbytes:
+        if not n or self._at + n > self.nbytes:
             return None
         out = torch.empty(0, dtype=like.dtype).set_(self.tensor.untyped_storage()[self._at:self._at + n], 0, like.shape)
         self._at += aligned(n)
@@ -173,7 +174,9 @@ class StagedFiles:
         return self._files
 
     def wait_copied(self):
-        """Every copy aside done (raises what one raised): the snapshot holds the saved values."""
+        """Every copy aside done (raises what one raised, once none is still running): the snapshot
+        holds the saved values."""
+        wait(self._copies)
         for future in self._copies:
             future.result()
 
@@ -194,8 +197,8 @@ class HostStoreStager:
     """Stages saves of one engine whose host store is ``host_buffers``."""
 
     def __init__(self, host_buffers, aside_bytes: int = 0):
-        """``aside_bytes``: host memory to reserve now for the copies aside (0: none; each save that
-        copies aside allocates its own)."""
+        """``aside_bytes``: host memory to reserve now for the saves' snapshots (``AsideBuffer``; 0:
+        none, each save that copies aside allocates its own)."""
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
         self._pool = None  # the copy threads, made at the first save that copies aside (or here)
         self.aside = None
@@ -217,19 +220,19 @@ class HostStoreStager:
     def _reset(self):
         self._regions = Regions()
         self._views = {}  # (start, nbytes) -> the alias made for it (one per range: written once)
+        self._from_device = []  # (alias, device tensor): copied once the store's copies have their room
 
     def snapshot(self, obj):
         """``obj`` as it is now: host-store tensors copied aside or aliased (module docstring), every
         other tensor and object copied."""
         if torch.is_tensor(obj):
             on_device = obj.device.type != "cpu"
-            # a device tensor goes into the reserved buffer (memory already faulted in) where it fits
-            dst = self.aside.take(obj) if on_device and obj.is_contiguous() and self.aside is not None else None
             if not on_device and obj.untyped_storage().data_ptr() in self._host_storages:
                 alias = self._from_store(obj.detach())
-            elif dst is not None:
-                dst.copy_(obj.detach())
-                alias = dst
+            elif on_device and self.aside is not None and obj.is_contiguous() and obj.numel():
+                # copied at the end of the save, into what the store's copies leave of the buffer
+                alias = torch.empty(0, dtype=obj.dtype)
+                self._from_device.append((alias, obj.detach()))
             else:
                 alias = obj.detach().to("cpu", copy=True)
             if obj.requires_grad:
@@ -268,6 +271,18 @@ class HostStoreStager:
             alias.data = torch.empty_like(src) if dst is None else dst
             futures.append(pool.submit(_copy, regions, start, nbytes, src, alias.data))
         return futures
+
+    def _copy_from_device(self):
+        """The device tensors of this save (the state the measured plan keeps resident), copied now
+        (the step changes them once the save returns): into what the store's copies left of the
+        buffer, where they fit (memory already faulted in), else into memory of their own."""
+        for alias, src in self._from_device:
+            dst = self.aside.take(src)
+            if dst is None:
+                alias.data = src.to("cpu", copy=True)
+            else:
+                dst.copy_(src)
+                alias.data = dst
 
     @property
     def aside_bytes(self) -> int:
@@ -310,6 +325,7 @@ class HostStoreStager:
         fits = (reserved or nbytes <= HostMemory.read().usable) if copy_aside is None else copy_aside
         self._last_copied = bool(nbytes) and fits
         staged = StagedFiles(files, self._regions, self._copy_aside() if self._last_copied else ())
+        self._copy_from_device()
         self._reset()
         return staged, scripts, getattr(capture._inner, "zipfile_serialization", True)
 
