@@ -181,16 +181,25 @@ def test_the_digest_is_taken_while_the_file_is_written(tmp_path, monkeypatch, th
     assert all(on_disk >= min(size, at + 4096) for at, on_disk in seen)  # hashed once written out
 
 
-def test_work_in_threads_keeps_order_raises_and_needs_no_thread(monkeypatch):
-    assert files.map_in_threads(lambda x: x * x, range(50), 4) == [x * x for x in range(50)]
-    with pytest.raises(ZeroDivisionError):
-        files.map_in_threads(lambda x: 1 // (x - 7), range(20), 4)
+def test_a_file_digest_needs_no_thread_and_raises_a_failed_read(tmp_path, monkeypatch):
+    """At load the pieces are hashed by worker threads; where none can start (interpreter exit) the
+    caller's thread hashes them all, and a read that fails in a worker is raised, not passed."""
+    monkeypatch.setattr(files, "PIECE", 1000)
+    data = os.urandom(9500)
+    (tmp_path / "f").write_bytes(data)
+    real = files._hash_range
 
-    def refused(self):
-        raise RuntimeError("can't create new thread at interpreter shutdown")
+    def failing(fd, at, end, path):
+        if at == 3000 and threading.current_thread() is not threading.main_thread():  # in a worker only
+            raise OSError("read failed")
+        return real(fd, at, end, path)
 
-    monkeypatch.setattr(files.threading.Thread, "start", refused)  # the caller's thread does it all
-    assert files.map_in_threads(lambda x: -x, range(10), 8) == [-x for x in range(10)]
+    monkeypatch.setattr(files, "_hash_range", failing)
+    with pytest.raises(OSError, match="read failed"):
+        files.file_digest(str(tmp_path / "f"))
+    monkeypatch.setattr(files, "_hash_range", real)
+    monkeypatch.setattr(files.threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("exit")))
+    assert files.file_digest(str(tmp_path / "f")) == pieces_digest(data, 1000)
 
 
 def test_the_writer_starts_the_disk_while_it_serializes(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import json
 import os
 import queue
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import numpy
 import torch
@@ -69,10 +69,11 @@ def _hash_range(fd: int, offset: int, end: int, path) -> bytes:
 
 
 class PieceHasher:
-    """``DIGEST`` of a file taken while it is written: each piece the writer has passed (``written``)
-    is read back from the page cache and hashed by worker threads, so the digest is ready soon after
-    the file is. Plain threads (the writer goes on at interpreter exit, see ``map_in_threads``); the
-    pieces no worker took are hashed by ``digest``."""
+    """``DIGEST`` of a file, its pieces hashed by worker threads as soon as they are written
+    (``written``): while the writer serializes it (read back from the page cache), or all at once
+    for a file already written (``file_digest``). Plain threads, not an executor: the writer goes on
+    at interpreter exit, when concurrent.futures refuses new work; the pieces no worker took (none
+    could start, or the last, partial one) are hashed by ``digest`` in the caller's thread."""
 
     def __init__(self, path, threads: int = HASH_THREADS):
         self.path = path
@@ -123,10 +124,9 @@ class PieceHasher:
         if self._errors:
             raise self._errors[0]
         count = -(-size // PIECE)
-        rest = [k for k in range(count) if k not in self._done]
-        for k, d in zip(rest, map_in_threads(lambda k: _hash_range(self._fd, k * PIECE, min(size, (k + 1) * PIECE),
-                                                                   self.path), rest, HASH_THREADS)):
-            self._done[k] = d
+        for k in range(count):
+            if k not in self._done:
+                self._done[k] = _hash_range(self._fd, k * PIECE, min(size, (k + 1) * PIECE), self.path)
         return hashlib.new(WHOLE, b"".join(self._done[k] for k in range(count))).hexdigest()
 
     def close(self):
@@ -205,15 +205,11 @@ def serialize(path, obj, zipfile: bool, on_written: Optional[Callable[[int, int]
         raise
 
 
-def fsync_file(path):
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def publish(path, before_rename: Optional[Callable[[str], None]] = None):
     """Flush ``path.tmp`` to disk and rename it to ``path``: the file appears whole or not at all."""
     tmp = f"{path}.tmp"
-    fsync_file(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
     if before_rename is not None:
         before_rename(path)
     os.replace(tmp, path)
@@ -281,50 +277,13 @@ def file_digest(path, algorithm: str = DIGEST) -> str:
 
 
 def _pieces_digest(path) -> str:
-    fd = os.open(path, os.O_RDONLY)
+    size = os.path.getsize(path)
+    hasher = PieceHasher(path, HASH_THREADS)
     try:
-        size = os.fstat(fd).st_size
-        pieces = map_in_threads(lambda at: _hash_range(fd, at, min(size, at + PIECE), path), range(0, size, PIECE),
-                                HASH_THREADS)
+        hasher.written(size)
+        return hasher.digest(size)
     finally:
-        os.close(fd)
-    return hashlib.new(WHOLE, b"".join(pieces)).hexdigest()
-
-
-def map_in_threads(fn: Callable, items: Sequence, threads: int) -> List:
-    """``[fn(x) for x in items]``, computed by up to ``threads`` threads (the caller's among them).
-    Plain threads, not an executor: the writer goes on at interpreter exit, when concurrent.futures
-    refuses new work. Where no thread can be started, the caller's thread does it all. Raises the
-    first error."""
-    items = list(items)
-    results, errors = [None] * len(items), []
-    todo, lock = iter(range(len(items))), threading.Lock()
-
-    def work():
-        while not errors:
-            with lock:
-                k = next(todo, None)
-            if k is None:
-                return
-            try:
-                results[k] = fn(items[k])
-            except BaseException as e:  # noqa: B902 - raised by the caller
-                errors.append(e)
-
-    helpers = []
-    for _ in range(min(threads, len(items)) - 1):
-        t = threading.Thread(target=work, name="deepspeed-offload-hash", daemon=True)
-        try:
-            t.start()
-        except RuntimeError:  # the interpreter is past starting threads
-            break
-        helpers.append(t)
-    work()
-    for t in helpers:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+        hasher.close()
 
 
 def remove(path):
