@@ -95,7 +95,8 @@ def _node_line(plan, params: int, world: int, ranks: int) -> str:
     store, twins = node.store_cap[0], node.twins_cap[0]
     on_gpu = state - store
     speculation = (f"speculation {format_bytes(twins)} per rank (what the stores leave, shared by {ranks} rank(s))"
-                   if twins else "speculation off (no host memory is spare after the stores)" if speculates
+                   if twins else "speculation without second regions (no host memory is spare after the stores: "
+                   "its updates roll back from copies on the GPU, where backward leaves room)" if speculates
                    else "speculation off")
     gpu = f", {format_bytes(on_gpu)} of each rank's state stays on the GPU (the host cannot hold it)" if on_gpu else ""
     aside = node.aside_cap.get(0, 0)

@@ -90,8 +90,13 @@ WAITS = [
          "work so far", (SPECULATION, )),
     Wait("step_ends.join", SPEC, "self.mode.copies.join_side()  # the next forward", "pass  # the next forward",
          "the next forward (and the casts' drop) after the commits' copies", (SPECULATION, )),
-    Wait("discard_all.join", SPEC, "self.mode.copies.join_side()\n        self.mode.copies.release(",
-         "self.mode.copies.release(", "a rollback (a step that raised) after the side stream's work",
+    Wait("discard_all.join", SPEC, "self.mode.copies.join_side()\n        for i, spec in self.updated.items():",
+         "for i, spec in self.updated.items():", "a rollback (a step that raised) after the side stream's work",
+         (SPECULATION, )),
+    Wait("update.kept_ready", SPEC, "mode.copies.compute_waits(kept_ready)", "pass",
+         "an update's device copy of the state before it waits for that copy's allocation", (SPECULATION, )),
+    Wait("restore.written", RES, "waits=(r.written, )", "waits=()",
+         "a rollback's copy of the state before over the host region after the update's write-back",
          (SPECULATION, )),
 ]
 

@@ -118,7 +118,8 @@ def handle_stats(handle, engine, between_GiB):
            "last_step": handle.step_stats(), "counters": getattr(handle, "counters", None),
            "host_store_bytes": getattr(store, "nbytes", None),
            "speculation": None if getattr(handle, "speculation", None) is None else
-           dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members)),
+           dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members),
+                from_device_members=len(handle.speculation.from_device)),
            "plan": plan_record(handle)}
     try:
         grad_bytes = max(int(sum(p.numel() for p in g)) for g in engine.optimizer.fp16_partitioned_groups) * 4

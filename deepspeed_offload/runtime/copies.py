@@ -67,7 +67,7 @@ class SyncCopies:
     def join_side(self) -> None:
         """The compute stream waits for everything queued on the side stream so far."""
 
-    def release(self, *tensors: torch.Tensor) -> None:
+    def release(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
         """JOINED buffers about to be dropped without a join (``AsyncCopies.release``)."""
 
     def compute_waits(self, event) -> None:
@@ -166,11 +166,14 @@ class AsyncCopies:
     def join_side(self) -> None:
         self.acc.current_stream().wait_stream(self.side_stream)
 
-    def release(self, *tensors: torch.Tensor) -> None:
+    def release(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
         """JOINED buffers about to be dropped where the stream they came from may not have joined the
-        side stream: recorded on it now, so the allocator waits for its work queued by then."""
+        side stream: recorded on it now (and on the D2H stream, ``read_by_copies``: a copy queued there
+        reads them), so the allocator waits for the work queued there by then."""
         for t in tensors:
             t.record_stream(self.side_stream)
+            if read_by_copies:
+                t.record_stream(self.d2h_stream)
 
     def compute_waits(self, event) -> None:
         # (the current stream: the compute stream, or the side stream inside ``side()``)

@@ -11,7 +11,8 @@ all); each wrapper calls DeepSpeed's own method and, around it, one verb of the 
   a sub-group's state comes in, and goes back out;
 - ``step``: a step that raised, was skipped, or ended (the measured plan's moves, placement.py);
 - readers and writers of host state (``state_dict``, the ``_restore_*`` and ``set_*_hp_param``
-  helpers, ``load_state_dict``) wait for the write-backs; writers of gradients void speculation;
+  helpers, ``load_state_dict``) wait for the write-backs (and void speculated updates written over
+  the host store); writers of gradients void speculation;
 - ``offload_states`` / ``reload_states`` (colocation.py), and the engine calls refused meanwhile.
 """
 
@@ -142,6 +143,8 @@ def _around(mode, fn, writes=False, after=None):
 
     def wrapper(*args, **kwargs):
         if not mode.in_step:
+            if mode.speculation is not None and mode.speculation.overwrote_host():
+                mode.discard_speculation("state read")  # the host holds updates the norm may not allow
             mode.colocation.wait_for_copies()
             mode.synchronize_for_checkpoint()
             if writes:

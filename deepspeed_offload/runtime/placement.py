@@ -14,7 +14,8 @@ host memory read before anyone pinned):
   A model whose state the host can hold is measured fully offloaded; a larger one (a 13B's 145 GiB
   on a 125 GiB host) starts with the part the host cannot hold on the device;
 - speculation's second regions (``speculate_memory_gb`` null) come out of what the stores leave,
-  shared among the node's ranks; none is left: speculation is off, and the node's line says so.
+  shared among the node's ranks; none is left: its updates roll back from device copies alone
+  (``speculation.py``), and the node's line says so.
 
 **After the measuring iteration** (``MeasuredPlan``, budget unset, on a device with memory of its
 own): the iteration's reserved peak is known with the state offloaded as above, so the plan keeps

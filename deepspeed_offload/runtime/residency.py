@@ -19,6 +19,9 @@ are the only callers of ``move``; each verb decides what its copy waits for:
 - ``arrive``: the stream that will update it waits for the load (the compute stream; a speculated
   update's side stream, ``speculation.py``);
 - a write-back waits for the update (an event on the stream that updated it: no host wait);
+- ``restore``: a copy of the state kept elsewhere on the device (a speculated update rolled back,
+  ``speculation.py``) written over its host region, after the write-back it undoes; the phase stays
+  (ON_HOST or WRITING_BACK): the next load waits for it as for a write-back, and so does ``drain``;
 - ``drain``: the CPU waits for every write-back (before anything on the CPU reads host state).
 
 Buffers of a sub-group's own are allocated with ``record_stream`` on both copy streams: dropped
@@ -171,6 +174,17 @@ class ResidencyTable:
         if r.slot is not None:
             self.slot_free[r.slot] = r.written  # the slot's next load waits for this copy
         self._let_go(r)
+        self.last_write = r.written
+        return self.store_bytes(i), span
+
+    def restore(self, i: int, kept) -> Tuple[int, object]:
+        """D2H of ``kept`` (dtype -> device buffer laid out as ``i``'s buffers: a copy of its state taken
+        before a speculated update) over ``i``'s current host region, after the write-back of that
+        update. ``i`` has no device buffers of the table's. Returns (bytes, span)."""
+        r = self.of[i]
+        if r.on_device:
+            raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be restored while loaded")
+        r.written, span = self.copies.d2h(self._regions(i), kept, waits=(r.written, ))
         self.last_write = r.written
         return self.store_bytes(i), span
 

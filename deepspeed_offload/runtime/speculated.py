@@ -4,8 +4,9 @@ spacing of speculating backwards where rollbacks repeat (``Backoff``), and how t
 state and a param group's entries are snapshotted and put back around an update.
 """
 
+import enum
 from dataclasses import asdict, dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -16,6 +17,12 @@ BACKS_OFF = ("clipped", "overflow", "loss scale", "hyper-parameters")
 MAX_BACKOFF = 64
 
 
+class Rollback(enum.Enum):
+    """What a speculated update is rolled back from (``Speculation.rollback`` picks it per sub-group)."""
+    SECOND_REGION = "second_region"  # the update went to a second host region; the current one is the state before
+    DEVICE_COPY = "device_copy"  # the update went over the current region; a device copy holds the state before
+
+
 @dataclass
 class Speculated:
     """An update computed in backward, waiting for the norm."""
@@ -24,6 +31,12 @@ class Speculated:
     group_before: Dict[str, object]  # ... and before (a change by the step's time voids the update)
     loss_scale: float  # the one the update used
     lp: torch.Tensor  # the 16-bit cast of the updated master, on the device (made on the side stream)
+    kept: Optional[Dict[torch.dtype, torch.Tensor]] = None  # ``DEVICE_COPY``: the state before, on the device
+
+    def nbytes(self) -> int:
+        """Device memory it holds until the step."""
+        held = [self.lp, *(self.kept.values() if self.kept else ())]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 @dataclass
@@ -38,6 +51,8 @@ class Counters:
     rollback_steps: int = 0
     reasons: Dict[str, int] = field(default_factory=dict)
     backed_off: int = 0  # boundary backwards that did not speculate (``Backoff``)
+    from_device: int = 0  # updates whose state before was kept on the device (``Rollback.DEVICE_COPY``)
+    restored: int = 0  # ... discarded: the state before copied back from the device
 
     def as_dict(self):
         return asdict(self)

@@ -11,29 +11,40 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
   gradients became final in the last iteration), it is **updated** there: its fp32 gradient built as
   DeepSpeed builds it, times the factor ``unscale_and_clip_grads`` uses when clipping does not
   fire (1 / loss scale), then DeepSpeed's own ``_optimizer_step``;
-  the result goes to the sub-group's *second* host region (``HostStore`` twins) while its 16-bit
-  cast stays on the device (2 bytes a parameter; counted with the early loads so that the peak does
-  not rise, as is the one fp32 gradient buffer all updates of a backward share), and the
-  optimizer's small state (Adam's ``step``) and group entries are put back as they were. The
-  updates run on a side stream: backward never waits for a load or an update;
+  the result is written back while its 16-bit cast stays on the device (2 bytes a parameter), and
+  the optimizer's small state (Adam's ``step``) and group entries are put back as they were. Where
+  the result goes depends on what the update can be rolled back from (``Rollback``):
+
+  - ``SECOND_REGION``: into the sub-group's *second* host region (``HostStore`` twins); the current
+    one, the state before, is untouched. Costs 12 bytes a parameter of host memory;
+  - ``DEVICE_COPY``: over its current host region, once the state before was copied into device
+    buffers of its own, kept until the step (12 bytes a parameter of device memory, taken only
+    where backward has freed that much: counted with the early loads, like the casts and the one
+    fp32 gradient buffer all updates of a backward share, so that the iteration's peak does not
+    rise). For the sub-groups the host has no second region for.
+
+  The updates run on a side stream: backward never waits for a load or an update;
 - at the step, once DeepSpeed has the norm: if it did not overflow, the loss scale and the
   hyper-parameters are the ones the update used, and the clip factor is exactly 1, each updated
-  sub-group is **committed** in DeepSpeed's loop (its second region becomes current: nothing is
-  copied, the 16-bit partition is copied in from the cast kept on the device); otherwise everything
-  speculated is **discarded** and the step runs as if nothing had happened (the current region was
-  never touched). Where rollbacks repeat (clipping fires at every step), ``Backoff`` spaces the
-  backwards that speculate out, so that the steps that reload what they wrote back stay rare.
+  sub-group is **committed** in DeepSpeed's loop (a second region becomes current; a device copy
+  is dropped: nothing is copied either way but the 16-bit partition, from the cast kept on the
+  device); otherwise everything speculated is **discarded** and the step runs as if nothing had
+  happened (a current region overwritten gets the device copy back first). Where rollbacks repeat
+  (clipping fires at every step), ``Backoff`` spaces the backwards that speculate out, so that the
+  steps that reload what they wrote back stay rare.
 
 A sub-group's speculation goes ``final -> updated -> committed | discarded``; this class is the one
-place that moves it. The members (sub-groups with a second region) are chosen at attach within
-``speculate_memory_gb`` of host memory per rank, the first gradients to be final first (the last
-layers). DeepSpeed's per-sub-group calls that a commit replaces (``unscale_and_clip_grads``,
+place that moves it. Every offloaded sub-group is a member; second regions go to the ones whose
+gradients are final first (the last layers), within ``speculate_memory_gb`` of host memory per rank,
+chosen at attach; the others roll back from a device copy. Readers of host state between backward
+and the step (a checkpoint, ``safe_get_full_*``) discard the updates first, so they read the state
+before them. DeepSpeed's per-sub-group calls that a commit replaces (``unscale_and_clip_grads``,
 ``_optimizer_step``, ``_reassign_or_swap_out_partitioned_parameters``) are wrapped here and
 installed by the stream mode's patch registry.
 """
 
 import logging
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from deepspeed.utils import log_dist
@@ -42,8 +53,8 @@ from ..host_memory import format_bytes
 from .copies import JOINED
 from .host_store import MASTER
 from .layout import fitting_prefix
-from .speculated import (BACKS_OFF, Backoff, Counters, Speculated, group_entries, on_device, restore_group,
-                         restore_state, same_entries, small_state)
+from .speculated import (BACKS_OFF, Backoff, Counters, Rollback, Speculated, group_entries, on_device,
+                         restore_group, restore_state, same_entries, small_state)
 
 class Speculation:
 
@@ -52,6 +63,8 @@ class Speculation:
         self.opt = mode.opt
         self.base = mode.opt.optimizer
         self.members = frozenset(members)
+        # members without a second host region: their updates roll back from a device copy
+        self.from_device = frozenset(i for i in members if i not in mode.store.twins)
         self.group_of = {p.ds_id: i for i, params in enumerate(self.opt.fp16_groups) if i in self.members
                          for p in params}
         self.needed = {i: sum(bool(p.requires_grad) for p in self.opt.fp16_groups[i]) for i in self.members}
@@ -78,25 +91,39 @@ class Speculation:
         """The measured plan made some sub-groups resident: they speculate no more (their second regions
         stay unused). Between steps, with nothing speculated."""
         self.members = frozenset(i for i in self.members if i in set(offloaded))
+        self.from_device = self.members & self.from_device
         self.group_of = {k: i for k, i in self.group_of.items() if i in self.members}
         self.needed = {i: n for i, n in self.needed.items() if i in self.members}
         self.load_order = [i for i in self.load_order if i in self.members]
 
+    def overwrote_host(self) -> bool:
+        """Some update waiting for the norm was written over its current host region."""
+        return any(s.kept is not None for s in self.updated.values())
+
+    def rollback(self, i: int) -> Rollback:
+        """What member ``i``'s update is rolled back from."""
+        return Rollback.DEVICE_COPY if i in self.from_device else Rollback.SECOND_REGION
+
     def describe(self) -> str:
         store = self.mode.store
-        return f"{len(self.members)} sub-groups speculate ({format_bytes(store.twin_nbytes)} second host regions)"
+        twins = len(self.members) - len(self.from_device)
+        out = f"{len(self.members)} sub-groups speculate: {twins} with second host regions ({format_bytes(store.twin_nbytes)})"
+        if self.from_device:
+            out += (f", {len(self.from_device)} rolled back from a copy on the device, where backward leaves "
+                    "room for it")
+        return out
 
     @property
     def held_bytes(self) -> int:
-        """Device memory the updates hold: the 16-bit casts waiting for the norm (and those the loaded
-        members' updates will make), and while a backward speculates, the fp32 gradient buffer (counted
-        before its first update allocates it)."""
-        casts = sum(s.lp.numel() * s.lp.element_size() for s in self.updated.values())
-        # ... and the casts of the members loaded for an update still to come (cast_bytes)
+        """Device memory the updates hold: the 16-bit casts and device copies waiting for the norm (and
+        those the loaded members' updates will make), and while a backward speculates, the fp32 gradient
+        buffer (counted before its first update allocates it)."""
+        held = sum(s.nbytes() for s in self.updated.values())
+        # ... and what the updates of the members loaded for one still to come will hold (extra_bytes)
         table = self.mode.table
-        coming = sum(self.cast_bytes(i) for i in self.members
+        coming = sum(self.extra_bytes(i) for i in self.members
                      if i not in self.updated and table[i].on_device and not table[i].host_stale)
-        return casts + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
+        return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
 
     # ------------------------------------------------------------------ backward
 
@@ -112,14 +139,15 @@ class Speculation:
                 self._boundary = False
         return self._boundary
 
-    def cast_bytes(self, i: int) -> int:
-        """What an update of sub-group ``i`` in this backward adds beside its loaded state: its 16-bit
-        cast, kept until the step (the early loads reserve it, since the loaded buffers stay the
-        device's until their write-back ends)."""
+    def extra_bytes(self, i: int) -> int:
+        """What an update of sub-group ``i`` in this backward adds beside its loaded state, kept until the
+        step: its 16-bit cast and, rolled back from the device, the copy of its state (the early loads
+        reserve both, since the loaded buffers stay the device's until their write-back ends)."""
         if not self._boundary or i not in self.members:
             return 0
         flat = self.opt.fp16_partitioned_groups_flat[i]
-        return flat.numel() * flat.element_size()
+        copy = self.mode.table.store_bytes(i) if i in self.from_device else 0
+        return flat.numel() * flat.element_size() + copy
 
     def early_order(self, order: List[int]) -> List[int]:
         """The order the early loads of a speculating backward take: the members in the order their
@@ -164,23 +192,28 @@ class Speculation:
         state = self.base.state.get(master)
         if not state or any(key not in state for key in store.slices[i] if key != MASTER):
             return  # the optimizer creates its state at its first step: nothing to speculate on yet
-        mode.guard(i, other=True)  # an asynchronous checkpoint may still read the region this writes
+        rollback = self.rollback(i)
+        second = rollback is Rollback.SECOND_REGION
+        mode.guard(i, other=second)  # an asynchronous checkpoint may still read the region this writes
         group = self.base.param_groups[opt.sub_group_to_group_id[i]]
         lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
         # A device tensor among Adam's small state or the group's entries (a capturable step, a
         # tensor learning rate) may have been written on the compute stream: the snapshot waits.
         queued = mode.copies.mark() if on_device(state, group) else None
         state_before = group_before = None
-        cast = {}
+        cast, kept = {}, {}
         try:
             try:
-                # From the compute stream's pool (``copies.alloc``), for work on the side stream, both
+                # From the compute stream's pool (``copies.alloc``), for work on the side stream, all
                 # dropped after the compute stream joined the side stream, so that their blocks go back
                 # in the compute stream's order: the fp32 gradient (one buffer for the whole backward,
-                # ``decide``) and the 16-bit cast, kept until the step (``step_ends``).
+                # ``decide``), the 16-bit cast, kept until the step (``step_ends``), and the device copy
+                # of the state before (``commit``).
                 grad, grad_ready = self._grad_buffer(master)
                 cast, cast_ready = mode.copies.alloc({lp_dtype: master.numel()}, used_by=JOINED)
                 lp = cast[lp_dtype]
+                if not second:
+                    kept, kept_ready = mode.copies.alloc(store.region_numel(i), used_by=JOINED)
                 with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
                     table.arrive(i)
                     mode.copies.compute_waits(self._final_event.pop(i, None))
@@ -188,6 +221,12 @@ class Speculation:
                     mode.copies.compute_waits(cast_ready)
                     mode.copies.compute_waits(queued)
                     mode.copies.uses(writes=(grad, lp))
+                    if kept:  # the state before, to roll back to
+                        mode.copies.compute_waits(kept_ready)
+                        loaded = table[i].buffers
+                        mode.copies.uses(reads=loaded.values(), writes=kept.values())
+                        for dt, buf in kept.items():
+                            buf.copy_(loaded[dt].narrow(0, 0, buf.numel()))
                     state_before, group_before = small_state(state, store.slices[i]), group_entries(group)
                     mode.tensors.point_at(i, lambda key: table.view(i, key))
                     master.grad = self._fp32_grad(i, grad)
@@ -210,16 +249,18 @@ class Speculation:
                         restore_state(state, state_before)
                         restore_group(group, group_before)
                 mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
-            nbytes, span = table.write_back(i, other=True)
+            nbytes, span = table.write_back(i, other=second)
         except BaseException:
-            mode.copies.release(*cast.values())  # dropped with this frame, with no join
+            mode.copies.release(*cast.values(), *kept.values())  # dropped with this frame, with no join
             raise
         if mode.stats is not None:
             mode.stats.bytes_d2h += nbytes
             mode.stats.span("d2h", span)
             mode.stats.speculated += 1
-        self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp)
+        self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp,
+                                     kept or None)
         self.counters.speculated += 1
+        self.counters.from_device += not second
 
     def _grad_buffer(self, master: torch.Tensor):
         """The fp32 gradient buffer for ``master``'s update (a view of its first ``numel`` elements),
@@ -289,7 +330,10 @@ class Speculation:
             return False
         spec = self.updated.pop(i)
         mode, opt = self.mode, self.opt
-        mode.store.flip(i)
+        if spec.kept is None:
+            mode.store.flip(i)  # the second region, written in backward, is the current one now
+        # (else the current region holds the update already, and the device copy of the state before
+        # it is dropped with ``spec``: ``decide`` joined the side stream that made it)
         mode.tensors.point_at(i, lambda key: mode.store.view(i, key))
         master = opt.fp32_partitioned_groups_flat[i]
         restore_state(self.base.state[master], spec.state_after)
@@ -344,9 +388,23 @@ class Speculation:
         updates stand. Its current region was never written; the step updates it as if it had not
         speculated, and so will every later step (``reduced_again``). Called where DeepSpeed reduces, maybe on
         its reduction stream: the cast is released recorded on the side stream (``discard_all``)."""
-        self.mode.copies.release(self.updated.pop(i).lp)
+        spec = self.updated.pop(i)
+        self._roll_back(i, spec)
+        self.mode.copies.release(spec.lp)
         self.reduced_again.add(i)
         self._count_discarded(1, why)
+
+    def _roll_back(self, i: int, spec: Speculated):
+        """An update rolled back from the device: the copy of the state before it goes back over the
+        current host region, after the update's own write-back (the D2H stream keeps the order); its
+        buffers are released to that copy."""
+        if spec.kept is None:
+            return  # the current region was never written
+        mode = self.mode
+        mode.guard(i)  # an asynchronous checkpoint may still read the region this writes
+        mode.table.restore(i, spec.kept)
+        mode.copies.release(*spec.kept.values(), read_by_copies=True)
+        self.counters.restored += 1
 
     def _count_discarded(self, n: int, why: str):
         self.counters.discarded += n
@@ -361,6 +419,8 @@ class Speculation:
         stream than the one the casts and the fp32 gradient buffer came from, so they are released
         recorded on the side stream."""
         self.mode.copies.join_side()
+        for i, spec in self.updated.items():
+            self._roll_back(i, spec)
         self.mode.copies.release(*[s.lp for s in self.updated.values()],
                                  *[lp for lp in self.committing.values() if lp is not None],
                                  *([self._grad] if self._grad is not None else []))
@@ -388,19 +448,22 @@ class Speculation:
                      "hidden_size**2) lets them start sooner", ranks=[0], level=logging.WARNING)
 
 
-def choose_members(mode, early_in_backward: bool, budget: int) -> List[int]:
-    """The sub-groups of stream mode ``mode`` that speculate: the last ones (their gradients are final
-    first) whose second regions fit ``budget`` bytes. None where nothing loads in backward or the
-    16-bit partition is the master itself (fp32)."""
+def choose_members(mode, early_in_backward: bool, budget: int) -> Tuple[List[int], List[int]]:
+    """The sub-groups of stream mode ``mode`` that speculate (every offloaded one), and those of them
+    with a second host region: the last ones (their gradients are final first) whose second regions
+    fit ``budget`` bytes. None where nothing loads in backward or the 16-bit partition is the master
+    itself (fp32)."""
     cfg, opt = mode.cfg, mode.opt
     if cfg.speculate_memory_gb == 0 or not (cfg.overlap and early_in_backward) or not mode.order:
-        return []
+        return [], []
     if any(opt.fp16_partitioned_groups_flat[i].dtype == opt.fp32_partitioned_groups_flat[i].dtype for i in mode.order):
         log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
-        return []
-    members = fitting_prefix(sorted(mode.order, reverse=True), mode.layout.nbytes.__getitem__, budget)
-    if not members:
-        log_dist(f"[deepspeed-offload] speculation off: no host memory is spare for its second regions "
-                 f"({format_bytes(budget)} per rank after the stores; the node's line says what it can give)",
-                 ranks=[0])
-    return members
+        return [], []
+    members = sorted(mode.order, reverse=True)
+    twins = fitting_prefix(members, mode.layout.nbytes.__getitem__, budget)
+    if not twins:
+        log_dist(f"[deepspeed-offload] speculation: no host memory is spare for second regions "
+                 f"({format_bytes(budget)} per rank after the stores; the node's line says what it can give): "
+                 "every update in backward rolls back from a copy on the device, where backward leaves room "
+                 "for it", ranks=[0])
+    return members, twins

@@ -107,8 +107,8 @@ class StreamMode:
 
     def _build(self, placement: Placement, early_in_backward: bool):
         cfg = self.cfg
-        members = choose_members(self, early_in_backward, placement.twins_budget)
-        self.store = HostStore(self.layout.entries, cfg.pin_memory, twins=members, check_host=False)
+        members, twins = choose_members(self, early_in_backward, placement.twins_budget)
+        self.store = HostStore(self.layout.entries, cfg.pin_memory, twins=twins, check_host=False)
         fault_point("pinning")
         self.table = ResidencyTable(self.store, self.copies, self.order, self.layout.slot_numel)
         self.timing = LoadTiming(self.acc, self.copies.synchronous, self.slot_bytes,
@@ -212,7 +212,7 @@ class StreamMode:
         while self._next_early < len(self._early_order):
             i = self._early_order[self._next_early]
             if not self.table[i].on_device:
-                needed = self.layout.nbytes[i] + (spec.cast_bytes(i) if spec is not None else 0)  # (its cast to come)
+                needed = self.layout.nbytes[i] + (spec.extra_bytes(i) if spec is not None else 0)  # (its update's)
                 if held + needed > allowance:
                     return  # asked again at the next gradient hook, when backward has freed more
                 self._load(i, slot=None, early=True)

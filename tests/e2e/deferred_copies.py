@@ -141,7 +141,7 @@ class DeferredCopies:
         self._released.discard(key)
         self.order.forget(key)
 
-    def release(self, *tensors):
+    def release(self, *tensors, read_by_copies=False):
         self._released.update(key_of(t) for t in tensors)
 
     # ------------------------------------------------------------------ the streams' order

@@ -631,6 +631,12 @@ def train_with(spec):
                 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
                 p = next(p for p in engine.module.parameters() if p.requires_grad)
                 safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
+            if step in spec.get("read_state_at", ()) and micro == gas - 1:  # the state read before the step
+                from deepspeed import utils as ds_utils
+                reads = result_extra.setdefault("state_reads", [])
+                for p in (p for p in engine.module.parameters() if p.requires_grad):
+                    reads.append((ds_utils.safe_get_full_fp32_param(p).cpu(),
+                                  ds_utils.safe_get_full_optimizer_state(p, "exp_avg").cpu()))
             if api == "attach_later" and step == spec["attach_at"] and micro == 0:
                 # the faults first (each must leave the engine as it was, on every rank), then the attach
                 result_extra["attach_faults"] = [attach_with_fault(engine, config, f) for f in spec.get("attach_faults", [])]
@@ -692,6 +698,7 @@ def train_with(spec):
                             "kept": sorted(getattr(handle, "kept", ())),
                             "speculation": None if getattr(handle, "speculation", None) is None else
                             dict(handle.speculation.counters.as_dict(), members=sorted(handle.speculation.members),
+                                 from_device_members=sorted(handle.speculation.from_device),
                                  current=[handle.store.current[i] for i in handle.order]),
                             "resident_bytes": {i: {k: n * torch.empty(0, dtype=dt).element_size() for k, dt, n in e}
                                                for i, e in handle.layout.resident_entries.items()},

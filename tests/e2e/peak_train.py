@@ -60,7 +60,8 @@ def run(spec, offload):
         reserved.append(torch.cuda.memory_reserved())  # (the reserved peak: the allocator never gives any back)
         resident.append(len(handle.resident))
     stats = handle.step_stats()
-    spec_counters = None if handle.speculation is None else handle.speculation.counters.as_dict()
+    spec_counters = None if handle.speculation is None else \
+        dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members))
     out = {"peaks": peaks, "reserved": reserved, "slot_bytes": handle.slot_bytes, "loaded_early": stats["loaded_early"],
            "sub_groups": len(handle.order), "between": torch.cuda.memory_allocated(),
            "divergences": handle.timing.divergences, "measurements": handle.timing.measurements,

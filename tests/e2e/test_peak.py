@@ -50,13 +50,19 @@ def test_a_block_first_used_after_the_measurement_does_not_raise_the_peak(tmp_pa
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device memory to measure)")
-def test_speculation_keeps_the_reserved_peak(tmp_path):
+@pytest.mark.parametrize("twins_gb", [None, 0.2])
+def test_speculation_keeps_the_reserved_peak(tmp_path, twins_gb):
     """Default allocator settings, DeepSpeed's default reduce buckets (updates late in backward, many at
-    once): the speculating path against the same path without speculation."""
+    once): the speculating path against the same path without speculation; with second host regions for
+    every sub-group (what the host has spare) and for a few only (0.2 GiB: the others keep the state
+    before their update on the device until the step)."""
     block = {"enabled": True, "mode": "stream", "sub_group_mb": 64, "memory_budget_gb": 0}
     spec_ = dict(SPEC, clip=1e9)  # clipping that never fires: the updates are committed
-    plain, spec = _runs(tmp_path, "reserved", spec_, [dict(block, speculate_memory_gb=0), block])
+    plain, spec = _runs(tmp_path, "reserved", spec_, [dict(block, speculate_memory_gb=0),
+                                                      dict(block, speculate_memory_gb=twins_gb)])
     assert spec["speculation"]["committed"] > 0, spec["speculation"]
+    if twins_gb:  # some updates kept the state before them on the device
+        assert spec["speculation"]["from_device"] > 0, spec["speculation"]
     steady = slice(3, None)
     gib = 2**30
     summary = (f"without speculation: allocated {max(plain['peaks'][steady]) / gib:.3f} GiB, reserved "

@@ -19,6 +19,7 @@ the second reduction), one whose step raises after commits were queued on the si
 rollback must join it before the next forward reads the 16-bit partitions)."""
 
 import pytest
+import torch
 
 from harness import assert_bitwise_equal, case_results, gpus, launch, launch_cases, two_ranks_unavailable
 
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.e2e
 needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))
 
 OFFLOAD = {"enabled": True, "mode": "stream", "memory_budget_gb": 0, "speculate_memory_gb": 1}
+# host memory for the second regions of the last few sub-groups alone: the others roll back from device copies
+FROM_DEVICE = dict(OFFLOAD, speculate_memory_gb=1e-6)
 BASE = dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True, tied=True, steps=6)
 HUGE, TINY = 1e9, 1e-9  # gradient_clipping that never fires / always fires
 
@@ -60,15 +63,26 @@ CASES = {
     "gradient_written": dict(clip=HUGE, set_grad_at=[2, 4]),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
     "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7, backoff=0),
+    # the fp32 parameters and Adam's moments read between backward and the step: the state before the
+    # updates, as plain ZeRO-3's (updates written over the host store are discarded first)
+    "state_read": dict(clip=HUGE, read_state_at=[2, 4]),
 }
+# the cases whose variants also speculate with second regions for a few sub-groups only
+FROM_DEVICE_CASES = ("never_clips", "clips_on_odd_steps", "reentrant_tied", "gradient_written", "fp16_scale_moves",
+                     "state_read")
 
 
 def variants(case):
     spec = CASES[case]
     out = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=OFFLOAD)),
            ("deferred", dict(offload=OFFLOAD, copies="deferred"))]
+    if case in FROM_DEVICE_CASES:
+        out.append(("from_device", dict(offload=FROM_DEVICE)))
+        out.append(("deferred_from_device", dict(offload=FROM_DEVICE, copies="deferred")))
     if "clip_by_step" in spec and spec.get("backoff") == 0:
         out.append(("control", dict(offload=OFFLOAD, force_commit=True)))
+        if case in FROM_DEVICE_CASES:
+            out.append(("control_from_device", dict(offload=FROM_DEVICE, force_commit=True)))
     if case == "clips_on_odd_steps":  # the casts dropped before the compute stream joined the side stream
         out.append(("unjoined_control", dict(offload=OFFLOAD, copies="deferred", no_step_end_join=True)))
     if case == "reentrant_tied":
@@ -98,11 +112,18 @@ def test_speculation_parity(case_runs, case):
     runs = case_results(case_runs, case)
     plain = runs["plain"]
     steps = spec["steps"]
-    for name in ("speculate", "deferred"):
+    for name in [n for n in ("speculate", "deferred", "from_device", "deferred_from_device") if n in runs]:
         ours = runs[name]
         assert_bitwise_equal(plain, ours)
         c = ours["handle"]["speculation"]
         assert c is not None and len(c["members"]) == len(ours["handle"]["order"]), c
+        if "from_device" in name:  # both kinds of rollback side by side
+            assert 0 < len(c["from_device_members"]) < len(c["members"]) and c["from_device"] > 0, c
+            assert all(side == 0 for i, side in zip(ours["handle"]["order"], c["current"]) if i in c["from_device_members"]), c
+            if c["discarded"]:
+                assert c["restored"] > 0, c  # a rollback copied the state before back from the device
+        else:
+            assert c["from_device_members"] == [] and c["from_device"] == c["restored"] == 0, c
         per_step = ours["step_stats"]
         assert c["speculated"] == c["committed"] + c["discarded"], c  # every update ends one way or the other
         assert sum(s["committed"] for s in per_step if s) <= c["committed"], (c, per_step)
@@ -135,6 +156,13 @@ def test_speculation_parity(case_runs, case):
             assert all(s["committed"] == len(c["members"]) - 2 for s in per_step[3:]), per_step
         elif case == "gradient_written":
             assert c["reasons"] == {"gradient written": 2} and c["committed"] > 0, c
+        elif case == "state_read":
+            # the reads saw what plain ZeRO-3's saw; updates over the host store were discarded for them
+            assert len(ours["state_reads"]) == len(plain["state_reads"]) > 0
+            for (fp32, m), (fp32_plain, m_plain) in zip(ours["state_reads"], plain["state_reads"]):
+                assert torch.equal(fp32, fp32_plain) and torch.equal(m, m_plain)
+            assert c["committed"] > 0, c
+            assert c["reasons"] == ({"state read": 2} if "from_device" in name else {}), c
         elif case == "fp16_scale_moves":
             assert c["committed"] > 0 and c["discarded"] > 0, c  # scale changes and the overflow roll back
         else:
@@ -165,17 +193,17 @@ def test_speculation_parity(case_runs, case):
         unjoined = runs["unjoined_control"]["handle"]
         assert unjoined["speculation"]["committed"] > 0 and unjoined["unjoined_drops"] > 0, unjoined
         assert unjoined["violations"] > unjoined["unjoined_drops"], unjoined  # the next forward's reads too
-    if "control" in runs:
-        control = runs["control"]
+    for name in [n for n in ("control", "control_from_device") if n in runs]:
+        control = runs[name]
         assert control["handle"]["speculation"]["committed"] > 0
         with pytest.raises(AssertionError):  # an update clipping should have scaled, committed as it was
             assert_bitwise_equal(plain, control)
 
 
-def run_on_gpus(tmp_path, optimizer, nprocs):
+def run_on_gpus(tmp_path, optimizer, nprocs, block=OFFLOAD):
     """Plain ZeRO-3, speculation and its negative control on `nprocs` GPUs, one rank each."""
     spec = dict(BASE, clip=HUGE, clip_by_step=[HUGE, HUGE, TINY], steps=8, optimizer=optimizer, hidden=256, backoff=0)
-    offload = dict(OFFLOAD, overlap_memory_gb=1)  # a fixed cap: early loads (and updates) from the first step
+    offload = dict(block, overlap_memory_gb=1)  # a fixed cap: early loads (and updates) from the first step
     names = [("plain", dict(api="deepspeed", offload=None)), ("speculate", dict(offload=offload)),
              ("control", dict(offload=offload, force_commit=True))]
     out = launch(dict(spec, variants=[v for _, v in names]), tmp_path, optimizer, nprocs=nprocs, timeout=600)
@@ -184,8 +212,11 @@ def run_on_gpus(tmp_path, optimizer, nprocs):
     c = ours["handle"]["speculation"]
     assert c["committed"] > 0 and c["discarded"] > 0 and c["reasons"].get("clipped"), c
     assert c["speculated"] == c["committed"] + c["discarded"], c
+    if block is FROM_DEVICE:
+        assert c["from_device"] > 0 and c["restored"] > 0, c
     with pytest.raises(AssertionError):
         assert_bitwise_equal(plain, control)
+    return c
 
 
 @pytest.mark.gpu
@@ -197,6 +228,16 @@ def test_speculation_parity_gpu_one_rank(tmp_path, optimizer):
     if gpus() < 1:
         pytest.skip("needs a CUDA GPU")
     run_on_gpus(tmp_path, optimizer, nprocs=1)
+
+
+@pytest.mark.gpu
+def test_speculation_rolled_back_from_the_device_gpu(tmp_path):
+    """On a GPU, second regions for the last sub-groups alone: the others' updates go over their host
+    regions in backward, the state before them kept in device buffers, copied back on the D2H stream
+    (after the update's own write-back) when clipping fires."""
+    if gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    run_on_gpus(tmp_path, "fused_adam", nprocs=1, block=FROM_DEVICE)
 
 
 @pytest.mark.gpu

@@ -148,7 +148,7 @@ def test_check_shows_each_ranks_store_and_speculations_share(capsys, fake_host, 
     assert "store 9.78 GiB per rank; speculation 1." in eight and "shared by 8 rank(s)" in eight
     assert cli_main(["check", str(cfg), "--params", "13000000000", "--ranks-per-node", "1"]) == 0
     big = capsys.readouterr().out
-    assert "stays on the GPU (the host cannot hold it); speculation off (no host memory is spare" in big
+    assert "stays on the GPU (the host cannot hold it); speculation without second regions (no host memory is spare" in big
     assert "async_checkpoint" not in one + eight + big
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                                "optimizer_state_offload": {"enabled": True, "async_checkpoint": True}}))
