@@ -120,10 +120,21 @@ class Speculation:
         buffer (counted before its first update allocates it)."""
         held = sum(s.nbytes() for s in self.updated.values())
         # ... and what the updates of the members loaded for one still to come will hold (extra_bytes)
-        table = self.mode.table
-        coming = sum(self.extra_bytes(i) for i in self.members
-                     if i not in self.updated and table[i].on_device and not table[i].host_stale)
+        coming = sum(self.extra_bytes(i) for i in self._loaded_to_update())
         return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
+
+    @property
+    def held_until_step(self) -> int:
+        """The part of ``held_bytes`` that the step gives back before it allocates anything (``decide``):
+        the device copies of the state before the updates, and the fp32 gradient buffer."""
+        copies = sum(s.nbytes() - s.lp.numel() * s.lp.element_size() for s in self.updated.values())
+        coming = sum(self.copy_bytes(i) for i in self._loaded_to_update())
+        return copies + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
+
+    def _loaded_to_update(self):
+        table = self.mode.table
+        return [i for i in self.members
+                if i not in self.updated and table[i].on_device and not table[i].host_stale]
 
     # ------------------------------------------------------------------ backward
 
@@ -141,13 +152,20 @@ class Speculation:
 
     def extra_bytes(self, i: int) -> int:
         """What an update of sub-group ``i`` in this backward adds beside its loaded state, kept until the
-        step: its 16-bit cast and, rolled back from the device, the copy of its state (the early loads
-        reserve both, since the loaded buffers stay the device's until their write-back ends)."""
+        step: its 16-bit cast and, rolled back from the device, the copy of its state (``copy_bytes``;
+        the early loads reserve both, since the loaded buffers stay the device's until their write-back
+        ends)."""
         if not self._boundary or i not in self.members:
             return 0
         flat = self.opt.fp16_partitioned_groups_flat[i]
-        copy = self.mode.table.store_bytes(i) if i in self.from_device else 0
-        return flat.numel() * flat.element_size() + copy
+        return flat.numel() * flat.element_size() + self.copy_bytes(i)
+
+    def copy_bytes(self, i: int) -> int:
+        """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
+        second region), given back when the step decides."""
+        if not self._boundary or i not in self.from_device:
+            return 0
+        return self.mode.table.store_bytes(i)
 
     def early_order(self, order: List[int]) -> List[int]:
         """The order the early loads of a speculating backward take: the members in the order their
@@ -320,6 +338,10 @@ class Speculation:
             self.committing = dict.fromkeys(self.updated)
             self.counters.commit_steps += 1
             self.backoff.committed()
+            # Updates over the current region are taken now, before the step's slots are allocated:
+            # their device copies go back to the allocator here (``held_until_step``).
+            for i in [i for i, spec in self.updated.items() if spec.kept is not None]:
+                self._take(i)
         else:
             self.discard_all(why)
 
@@ -328,9 +350,15 @@ class Speculation:
         commits it. Returns whether it did (then DeepSpeed's calls for ``i`` are skipped)."""
         if i not in self.committing:
             return False
+        if i in self.updated:
+            self._take(i)
+        return True
+
+    def _take(self, i: int):
+        """Sub-group ``i``'s update from backward becomes its state."""
         spec = self.updated.pop(i)
         mode, opt = self.mode, self.opt
-        if spec.kept is None:
+        if self.rollback(i) is Rollback.SECOND_REGION:
             mode.store.flip(i)  # the second region, written in backward, is the current one now
         # (else the current region holds the update already, and the device copy of the state before
         # it is dropped with ``spec``: ``decide`` joined the side stream that made it)
@@ -343,7 +371,6 @@ class Speculation:
         self.counters.committed += 1
         if mode.stats is not None:
             mode.stats.committed += 1
-        return True
 
     def skip_committed(self, orig):
         """Wraps a DeepSpeed call per sub-group that a commit replaces."""
