@@ -21,11 +21,8 @@ creates the optimizer's lazy state): its peak ``peak_off`` (what the iteration r
 that hook to the step's end (``future[k]``), read from the device's peak statistics, which it resets
 at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 ``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
-lookup per hook, no device query. What the step gives back before it allocates anything (the device
-copies of speculation's state before its updates) may take more: ``peak_off - until_step[k]``, the
-highest allocation from hook ``k`` to the end of backward alone (``allowance_until_step``).
-``overlap_memory_gb`` caps that further. On the CPU accelerator (no device memory of its own) there
-is nothing to measure and no limit.
+lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
+(no device memory of its own) there is nothing to measure and no limit.
 
 The table holds for iterations like the measured one. Each later boundary backward is checked
 against it: the memory allocated when it begins (more activations: a layer first used now, a longer
@@ -68,7 +65,6 @@ class LoadTiming:
         self.steps = 0  # steps that ran to their end
         self.peak_off: Optional[int] = None  # the measured iteration's peak (no early loads)
         self.future: List[int] = []  # per hook of its boundary backward: the highest allocation after it
-        self.until_step: List[int] = []  # ... until the step begins
         self.peak_reserved: Optional[int] = None  # ... and its reserved peak
         self.level: Optional[int] = None  # allocated when its boundary backward began
         self.keys: List[int] = []  # which parameter each hook of its boundary backward was for
@@ -140,13 +136,12 @@ class LoadTiming:
         if self.peak_off is not None:
             self.peak_off += nbytes
             self.future = [f + nbytes for f in self.future]
-            self.until_step = [f + nbytes for f in self.until_step]
             self.level += nbytes
             self.peak_reserved += nbytes
 
     def remeasure(self):
         """Measure the next iteration (without early loads) before they resume."""
-        self.future, self.until_step = [], []
+        self.future = []
         self._start_measurement()
 
     def step_begins(self):
@@ -184,15 +179,6 @@ class LoadTiming:
             return None  # not measured yet: this iteration behaves as with overlap off
         k = min(max(self._hook, 0), len(self.future) - 1)
         return max(0, self.peak_off - self.future[k])
-
-    def allowance_until_step(self) -> Optional[int]:
-        """Bytes early loads may hold in all at the current point of backward if what exceeds
-        ``allowance()`` is given back when the step begins; None: none now."""
-        allowance = self.allowance()
-        if allowance is None or self.synchronous or self.early_cap is not None:
-            return allowance
-        k = min(max(self._hook, 0), len(self.until_step) - 1)
-        return max(allowance, self.peak_off - self.until_step[k])
 
     def prefetch_order(self, streamed: Iterable[int]) -> List[int]:
         """What prefetch loads into the two slots: the first two streamed sub-groups that are not kept."""
@@ -233,16 +219,11 @@ class LoadTiming:
         intervals = self._intervals
         self.peak_off = max(intervals)
         # intervals: [forward, hook 0], then one after each hook, the tail of backward, the step.
-        # future[k]: the highest allocation after hook k, to the step's end; until_step[k]: to its start.
+        # future[k]: the highest allocation after hook k, to the step's end.
         after = intervals[2:]  # the intervals after hook 0
-        self.future = _suffix_max(after)[:hooks] if hooks else []
-        self.until_step = _suffix_max(after[:-1])[:hooks] if hooks else []
-
-
-def _suffix_max(peaks: List[int]) -> List[int]:
-    """Element k: the largest of ``peaks[k:]``."""
-    suffix, running = [], 0
-    for peak in reversed(peaks):
-        running = max(running, peak)
-        suffix.append(running)
-    return suffix[::-1]
+        suffix, running = [], 0
+        for peak in reversed(after):
+            running = max(running, peak)
+            suffix.append(running)
+        suffix.reverse()
+        self.future = suffix[:hooks] if hooks else []

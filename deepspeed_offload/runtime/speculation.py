@@ -123,14 +123,6 @@ class Speculation:
         coming = sum(self.extra_bytes(i) for i in self._loaded_to_update())
         return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
 
-    @property
-    def held_until_step(self) -> int:
-        """The part of ``held_bytes`` that the step gives back before it allocates anything (``decide``):
-        the device copies of the state before the updates, and the fp32 gradient buffer."""
-        copies = sum(s.nbytes() - s.lp.numel() * s.lp.element_size() for s in self.updated.values())
-        coming = sum(self.copy_bytes(i) for i in self._loaded_to_update())
-        return copies + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
-
     def _loaded_to_update(self):
         table = self.mode.table
         return [i for i in self.members
@@ -162,7 +154,7 @@ class Speculation:
 
     def copy_bytes(self, i: int) -> int:
         """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
-        second region), given back when the step decides."""
+        second region), given back when the step decides (``decide``)."""
         if not self._boundary or i not in self.from_device:
             return 0
         return self.mode.table.store_bytes(i)
@@ -338,8 +330,8 @@ class Speculation:
             self.committing = dict.fromkeys(self.updated)
             self.counters.commit_steps += 1
             self.backoff.committed()
-            # Updates over the current region are taken now, before the step's slots are allocated:
-            # their device copies go back to the allocator here (``held_until_step``).
+            # Updates over the current region are taken now: their device copies go back to the
+            # allocator before the step's slots are allocated.
             for i in [i for i, spec in self.updated.items() if spec.kept is not None]:
                 self._take(i)
         else:

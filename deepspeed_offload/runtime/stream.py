@@ -209,19 +209,14 @@ class StreamMode:
         speculated updates) stay within ``allowance`` (``LoadTiming.gradient_ready``)."""
         spec = self.speculation
         held = self.table.held_early() + (spec.held_bytes if spec is not None else 0)
-        # the device copies of speculation's state before its updates (and its fp32 gradient buffer) are
-        # given back when the step begins: they may take what the step will need (``allowance_until_step``)
-        given_back = spec.held_until_step if spec is not None else 0
-        until_step = self.timing.allowance_until_step() if spec is not None else allowance
         while self._next_early < len(self._early_order):
             i = self._early_order[self._next_early]
             if not self.table[i].on_device:
                 needed = self.layout.nbytes[i] + (spec.extra_bytes(i) if spec is not None else 0)  # (its update's)
-                copy = spec.copy_bytes(i) if spec is not None else 0
-                if held - given_back + needed - copy > allowance or held + needed > until_step:
+                if held + needed > allowance:
                     return  # asked again at the next gradient hook, when backward has freed more
                 self._load(i, slot=None, early=True)
-                held, given_back = held + needed, given_back + copy
+                held += needed
             self._next_early += 1
 
     def _prefetch_into_slots(self):

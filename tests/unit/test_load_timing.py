@@ -104,30 +104,6 @@ def test_no_early_loads_until_an_iteration_is_measured_then_the_peak_holds():
     assert peak3 <= timing.peak_off  # never above the iteration without early loads
 
 
-def test_what_the_step_gives_back_first_may_take_the_steps_room():
-    """After the last layer's hook only the step allocates more (+30): bytes the step gives back before
-    it allocates (speculation's device copies) may take those 30 too, not the recomputes' room."""
-    dev = FakeDevice()
-    dev.alloc(BASE)
-    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
-    iteration(dev, timing, fits)
-    iteration(dev, timing, fits)  # the measured one
-    assert timing.until_step == [BASE + 80 - 26 + 40, BASE + 80 - 52 + 40, BASE + 80 - 78]
-    seen = []
-
-    def load(room):
-        seen.append((timing.allowance(), timing.allowance_until_step()))
-        return 0
-
-    iteration(dev, timing, load)
-    peak_off = timing.peak_off
-    assert seen[:2] == [(peak_off - f, peak_off - f) for f in timing.future[:2]]  # recomputes still to come
-    assert seen[2] == (peak_off - timing.future[2], peak_off - timing.until_step[2])
-    assert seen[2][1] - seen[2][0] == 30  # the step's own allocation
-    timing.shift(7)  # the plan moved 7 bytes onto the device: both tables move with it
-    assert timing.until_step[2] == BASE + 80 - 78 + 7
-
-
 def test_the_old_rule_raised_the_peak():
     """'peak less what is allocated now' at each hook: a recompute after the hook lands on top."""
     dev = FakeDevice()
