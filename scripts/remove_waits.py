@@ -94,10 +94,11 @@ WAITS = [
          "for i, spec in self.updated.items():", "a rollback (a step that raised) after the side stream's work",
          (SPECULATION, )),
     Wait("update.kept_ready", SPEC, "mode.copies.compute_waits(kept_ready)", "pass",
-         "an update's device copy of the state before it waits for that copy's allocation", (SPECULATION, )),
+         "an update's device copy of the state before it waits for that copy's allocation (implied by "
+         "cast_ready)", (SPECULATION, )),
     Wait("restore.written", RES, "waits=(r.written, )", "waits=()",
-         "a rollback's copy of the state before over the host region after the update's write-back",
-         (SPECULATION, )),
+         "a rollback's copy of the state before over the host region after the update's write-back (implied "
+         "by the D2H stream's order)", (SPECULATION, )),
 ]
 
 

@@ -17,7 +17,8 @@ One iteration, with ``overlap`` on (the default)::
     backward:   as gradients are reduced (and backward frees activations), offloaded sub-groups load
                 into buffers of their own, as far as ``LoadTiming`` allows without raising the
                 iteration's peak (``gradients_final``); with speculation, each one whose gradient is
-                final is updated there, into its second host region (``speculation.py``)
+                final is updated there, into its second host region or over its host region with a
+                copy of the state before kept on the device (``speculation.py``)
     step:       ``bring_in``: speculated updates are committed (or discarded) once DeepSpeed has the
                 norm; sub-groups loaded early are updated in place; the others stream through two
                 staging slots:
