@@ -144,7 +144,8 @@ def _around(mode, fn, writes=False, after=None):
     def wrapper(*args, **kwargs):
         if not mode.in_step:
             if mode.speculation is not None and mode.speculation.overwrote_host():
-                mode.discard_speculation("state read")  # the host holds updates the norm may not allow
+                # the host holds updates the norm may not allow
+                mode.discard_speculation("state written" if writes else "state read")
             mode.colocation.wait_for_copies()
             mode.synchronize_for_checkpoint()
             if writes:

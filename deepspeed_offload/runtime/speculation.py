@@ -78,6 +78,7 @@ class Speculation:
         self._final_order: List[int] = []
         self._final_event: Dict[int, object] = {}
         self.updated: Dict[int, Speculated] = {}
+        self._restoring: List[tuple] = []  # (event, bytes): device copies a rollback's D2H still reads
         self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
         # sub-groups whose update a second reduction in the same backward voided: they wait for the step
         self.reduced_again: set = set()
@@ -107,7 +108,8 @@ class Speculation:
     def describe(self) -> str:
         store = self.mode.store
         twins = len(self.members) - len(self.from_device)
-        out = f"{len(self.members)} sub-groups speculate: {twins} with second host regions ({format_bytes(store.twin_nbytes)})"
+        out = (f"{len(self.members)} sub-groups speculate: {twins} with second host regions "
+               f"({format_bytes(store.twin_nbytes)})")
         if self.from_device:
             out += (f", {len(self.from_device)} rolled back from a copy on the device, where backward leaves "
                     "room for it")
@@ -118,10 +120,15 @@ class Speculation:
         """Device memory the updates hold: the 16-bit casts and device copies waiting for the norm (and
         those the loaded members' updates will make), and while a backward speculates, the fp32 gradient
         buffer (counted before its first update allocates it)."""
-        held = sum(s.nbytes() for s in self.updated.values())
+        held = sum(s.nbytes() for s in self.updated.values()) + self._restores_in_flight()
         # ... and what the updates of the members loaded for one still to come will hold (extra_bytes)
         coming = sum(self.extra_bytes(i) for i in self._loaded_to_update())
         return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
+
+    def _restores_in_flight(self) -> int:
+        """Bytes of device copies released to a restore that has not ended (asked without waiting)."""
+        self._restoring = [(ev, n) for ev, n in self._restoring if not self.mode.copies.done(ev)]
+        return sum(n for _, n in self._restoring)
 
     def _loaded_to_update(self):
         table = self.mode.table
@@ -154,7 +161,7 @@ class Speculation:
 
     def copy_bytes(self, i: int) -> int:
         """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
-        second region), given back when the step decides (``decide``)."""
+        second region), given back when the step commits it (``commit``)."""
         if not self._boundary or i not in self.from_device:
             return 0
         return self.mode.table.store_bytes(i)
@@ -330,10 +337,6 @@ class Speculation:
             self.committing = dict.fromkeys(self.updated)
             self.counters.commit_steps += 1
             self.backoff.committed()
-            # Updates over the current region are taken now: their device copies go back to the
-            # allocator before the step's slots are allocated.
-            for i in [i for i, spec in self.updated.items() if spec.kept is not None]:
-                self._take(i)
         else:
             self.discard_all(why)
 
@@ -342,18 +345,13 @@ class Speculation:
         commits it. Returns whether it did (then DeepSpeed's calls for ``i`` are skipped)."""
         if i not in self.committing:
             return False
-        if i in self.updated:
-            self._take(i)
-        return True
-
-    def _take(self, i: int):
-        """Sub-group ``i``'s update from backward becomes its state."""
         spec = self.updated.pop(i)
         mode, opt = self.mode, self.opt
         if self.rollback(i) is Rollback.SECOND_REGION:
             mode.store.flip(i)  # the second region, written in backward, is the current one now
         # (else the current region holds the update already, and the device copy of the state before
-        # it is dropped with ``spec``: ``decide`` joined the side stream that made it)
+        # it is dropped with ``spec``, here: a step that raises before it reaches a sub-group still
+        # has that sub-group's copy to roll back to; ``decide`` joined the side stream that made it)
         mode.tensors.point_at(i, lambda key: mode.store.view(i, key))
         master = opt.fp32_partitioned_groups_flat[i]
         restore_state(self.base.state[master], spec.state_after)
@@ -363,6 +361,7 @@ class Speculation:
         self.counters.committed += 1
         if mode.stats is not None:
             mode.stats.committed += 1
+        return True
 
     def skip_committed(self, orig):
         """Wraps a DeepSpeed call per sub-group that a commit replaces."""
@@ -404,9 +403,9 @@ class Speculation:
 
     def discard(self, i: int, why: str):
         """Drop sub-group ``i``'s update alone (``why``: counted): its gradient changed after it, the other
-        updates stand. Its current region was never written; the step updates it as if it had not
-        speculated, and so will every later step (``reduced_again``). Called where DeepSpeed reduces, maybe on
-        its reduction stream: the cast is released recorded on the side stream (``discard_all``)."""
+        updates stand. Its current region holds the state before (``_roll_back``); the step updates it
+        as if it had not speculated, and so will every later step (``reduced_again``). Called where
+        DeepSpeed reduces, maybe on its reduction stream: the cast is released recorded on the side stream (``discard_all``)."""
         spec = self.updated.pop(i)
         self._roll_back(i, spec)
         self.mode.copies.release(spec.lp)
@@ -421,8 +420,10 @@ class Speculation:
             return  # the current region was never written
         mode = self.mode
         mode.guard(i)  # an asynchronous checkpoint may still read the region this writes
-        mode.table.restore(i, spec.kept)
+        nbytes, _ = mode.table.restore(i, spec.kept)
         mode.copies.release(*spec.kept.values(), read_by_copies=True)
+        # the allocator hands the copy's blocks out again only once the restore ended: counted till then
+        self._restoring.append((mode.table[i].written, nbytes))
         self.counters.restored += 1
 
     def _count_discarded(self, n: int, why: str):
@@ -432,7 +433,8 @@ class Speculation:
             self.mode.stats.discarded += n
 
     def discard_all(self, why: str):
-        """Drop every update not committed (``why``: counted): the current regions were never written.
+        """Drop every update not committed (``why``: counted): the current regions hold the state before
+        them (``_roll_back``).
         The current stream waits for the side stream (a step that raised may have queued commits' copies
         there). Callers outside the step (a writer of host state, ``offload_states``) may run on another
         stream than the one the casts and the fp32 gradient buffer came from, so they are released
