@@ -97,8 +97,8 @@ WAITS = [
          "an update's device copy of the state before it waits for that copy's allocation (implied by "
          "cast_ready)", (SPECULATION, )),
     Wait("restore.written", RES, "waits=(r.written, )", "waits=()",
-         "a rollback's copy of the state before over the host region after the update's write-back (implied "
-         "by the D2H stream's order)", (SPECULATION, )),
+         "a rollback's copy of the state before over the host region after the update's write-back (on a "
+         "GPU the D2H stream's order keeps it too)", (UNIT, SPECULATION)),
 ]
 
 

@@ -180,12 +180,15 @@ class ResidencyTable:
     def restore(self, i: int, kept) -> Tuple[int, object]:
         """D2H of ``kept`` (dtype -> device buffer laid out as ``i``'s buffers: a copy of its state taken
         before a speculated update) over ``i``'s current host region, after the write-back of that
-        update. ``i`` has no device buffers of the table's. Returns (bytes, span)."""
+        update. ``i`` has no device buffers of the table's. The caller drops ``kept`` once this is
+        queued: like buffers of its own dropped while a copy used them, it counts in ``held_early``
+        until the copy ends. Returns (bytes, span)."""
         r = self.of[i]
         if r.on_device:
             raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be restored while loaded")
         r.written, span = self.copies.d2h(self._regions(i), kept, waits=(r.written, ))
         self.last_write = r.written
+        self._in_flight.append((r.written, self.store_bytes(i)))
         return self.store_bytes(i), span
 
     def release(self, i: int):

@@ -63,8 +63,6 @@ class Speculation:
         self.opt = mode.opt
         self.base = mode.opt.optimizer
         self.members = frozenset(members)
-        # members without a second host region: their updates roll back from a device copy
-        self.from_device = frozenset(i for i in members if i not in mode.store.twins)
         self.group_of = {p.ds_id: i for i, params in enumerate(self.opt.fp16_groups) if i in self.members
                          for p in params}
         self.needed = {i: sum(bool(p.requires_grad) for p in self.opt.fp16_groups[i]) for i in self.members}
@@ -78,7 +76,6 @@ class Speculation:
         self._final_order: List[int] = []
         self._final_event: Dict[int, object] = {}
         self.updated: Dict[int, Speculated] = {}
-        self._restoring: List[tuple] = []  # (event, bytes): device copies a rollback's D2H still reads
         self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
         # sub-groups whose update a second reduction in the same backward voided: they wait for the step
         self.reduced_again: set = set()
@@ -92,7 +89,6 @@ class Speculation:
         """The measured plan made some sub-groups resident: they speculate no more (their second regions
         stay unused). Between steps, with nothing speculated."""
         self.members = frozenset(i for i in self.members if i in set(offloaded))
-        self.from_device = self.members & self.from_device
         self.group_of = {k: i for k, i in self.group_of.items() if i in self.members}
         self.needed = {i: n for i, n in self.needed.items() if i in self.members}
         self.load_order = [i for i in self.load_order if i in self.members]
@@ -102,8 +98,13 @@ class Speculation:
         return any(s.kept is not None for s in self.updated.values())
 
     def rollback(self, i: int) -> Rollback:
-        """What member ``i``'s update is rolled back from."""
-        return Rollback.DEVICE_COPY if i in self.from_device else Rollback.SECOND_REGION
+        """What member ``i``'s update is rolled back from: its second host region if the store has one."""
+        return Rollback.SECOND_REGION if i in self.mode.store.twins else Rollback.DEVICE_COPY
+
+    @property
+    def from_device(self) -> frozenset:
+        """The members whose updates roll back from a device copy."""
+        return self.members - self.mode.store.twins
 
     def describe(self) -> str:
         store = self.mode.store
@@ -120,20 +121,12 @@ class Speculation:
         """Device memory the updates hold: the 16-bit casts and device copies waiting for the norm (and
         those the loaded members' updates will make), and while a backward speculates, the fp32 gradient
         buffer (counted before its first update allocates it)."""
-        held = sum(s.nbytes() for s in self.updated.values()) + self._restores_in_flight()
+        held = sum(s.nbytes() for s in self.updated.values())
         # ... and what the updates of the members loaded for one still to come will hold (extra_bytes)
-        coming = sum(self.extra_bytes(i) for i in self._loaded_to_update())
-        return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
-
-    def _restores_in_flight(self) -> int:
-        """Bytes of device copies released to a restore that has not ended (asked without waiting)."""
-        self._restoring = [(ev, n) for ev, n in self._restoring if not self.mode.copies.done(ev)]
-        return sum(n for _, n in self._restoring)
-
-    def _loaded_to_update(self):
         table = self.mode.table
-        return [i for i in self.members
-                if i not in self.updated and table[i].on_device and not table[i].host_stale]
+        coming = sum(self.extra_bytes(i) for i in self.members
+                     if i not in self.updated and table[i].on_device and not table[i].host_stale)
+        return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
 
     # ------------------------------------------------------------------ backward
 
@@ -162,7 +155,7 @@ class Speculation:
     def copy_bytes(self, i: int) -> int:
         """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
         second region), given back when the step commits it (``commit``)."""
-        if not self._boundary or i not in self.from_device:
+        if not self._boundary or i not in self.members or self.rollback(i) is Rollback.SECOND_REGION:
             return 0
         return self.mode.table.store_bytes(i)
 
@@ -405,7 +398,8 @@ class Speculation:
         """Drop sub-group ``i``'s update alone (``why``: counted): its gradient changed after it, the other
         updates stand. Its current region holds the state before (``_roll_back``); the step updates it
         as if it had not speculated, and so will every later step (``reduced_again``). Called where
-        DeepSpeed reduces, maybe on its reduction stream: the cast is released recorded on the side stream (``discard_all``)."""
+        DeepSpeed reduces, maybe on its reduction stream: the cast is released recorded on the side
+        stream (``discard_all``)."""
         spec = self.updated.pop(i)
         self._roll_back(i, spec)
         self.mode.copies.release(spec.lp)
@@ -415,15 +409,13 @@ class Speculation:
     def _roll_back(self, i: int, spec: Speculated):
         """An update rolled back from the device: the copy of the state before it goes back over the
         current host region, after the update's own write-back (the D2H stream keeps the order); its
-        buffers are released to that copy."""
+        buffers are released to that copy (the table counts them until it ends)."""
         if spec.kept is None:
             return  # the current region was never written
         mode = self.mode
         mode.guard(i)  # an asynchronous checkpoint may still read the region this writes
-        nbytes, _ = mode.table.restore(i, spec.kept)
+        mode.table.restore(i, spec.kept)
         mode.copies.release(*spec.kept.values(), read_by_copies=True)
-        # the allocator hands the copy's blocks out again only once the restore ended: counted till then
-        self._restoring.append((mode.table[i].written, nbytes))
         self.counters.restored += 1
 
     def _count_discarded(self, n: int, why: str):

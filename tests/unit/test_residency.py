@@ -220,6 +220,36 @@ def test_a_dropped_buffer_counts_until_its_write_back_ends():
     assert t.held_early() == 0
 
 
+def test_a_restore_puts_the_copy_back_after_the_write_back_and_holds_its_source_till_it_ends():
+    """A speculated update rolled back from a device copy: the copy goes over the host region after the
+    update's write-back (the next load waits for it), and the copy's buffers, dropped once it is queued,
+    count in ``held_early`` until it ends."""
+    t = make_table()
+    pending = set()
+    t.copies.done = lambda ev: ev not in pending
+    t.load(1)
+    before = {dt: buf.clone() for dt, buf in t[1].buffers.items()}
+    t.arrive(1)
+    t.view(1, MASTER).add_(10)
+    t.mark_updated(1)
+    t.write_back(1)
+    assert t.store.view(1, MASTER)[0].item() == before[torch.float32][0].item() + 10
+    written = t[1].written
+    t.restore(1, before)
+    restored = t[1].written
+    assert t.copies.waits[-1] == (restored.name, [written])  # after the update's write-back
+    pending.add(restored)
+    assert t.held_early() == t.store_bytes(1)  # the copy's source is still the device's
+    assert t.store.view(1, MASTER)[0].item() == before[torch.float32][0].item()
+    pending.clear()
+    assert t.held_early() == 0
+    t.load(1)
+    assert restored in t.copies.waits[-1][1]  # the next load waits for the restore
+    assert t.last_write is restored  # and so does drain
+    with pytest.raises(IllegalTransition):
+        t.restore(1, before)  # not while loaded
+
+
 class _CpuAccelerator:
     """What make_copies asks of DeepSpeed's CPU accelerator (the test runs on a GPU machine too)."""
 
