@@ -55,23 +55,31 @@ def _union(intervals):
 
 def summarize(trace):
     """The last iteration of a Chrome trace from ``profiled``: each phase's span on the GPU (forward
-    and step: the ``gpu_user_annotation`` of their ranges, else the CPU ranges; backward: between
-    them) and, per stream, the seconds it was
+    and step: the ``gpu_user_annotation`` of their ranges, one per stream that ran their work, taken
+    together; else the CPU ranges; backward: between them) and, per stream, the seconds it was
     busy in each phase and after the step, and what it launched in this iteration: GB copied each
     way, seconds of kernels."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
-    spans = {}
-    for cat in ("gpu_user_annotation", "user_annotation"):
-        for e in events:
-            if e.get("cat") == cat and e.get("name") in PHASES:
-                spans.setdefault(cat, {}).setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
-        if all(p in spans.get(cat, {}) for p in PHASES):
-            break
-    found = spans.get("gpu_user_annotation") or spans.get("user_annotation")
-    if not found or not all(p in found for p in PHASES):
+    spans = {"gpu_user_annotation": {}, "user_annotation": {}}
+    for e in events:
+        if e.get("cat") in spans and e.get("name") in PHASES:
+            spans[e["cat"]].setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    found = next((f for f in spans.values() if all(p in f for p in PHASES)), None)
+    if found is None:
         return {"error": "no forward/backward/step ranges in the trace"}
-    start = max(a for a, _ in found["forward"])  # the last iteration's forward
-    phase = {p: max((s for s in found[p] if s[0] >= start), default=None) for p in PHASES}
+    # The last iteration: nothing of it runs before its forward is launched (the main thread's range),
+    # and its phases' annotations begin with the first of its forward's on the GPU; a phase's span runs
+    # from the first of its annotations to the end of the last (the step's copies and updates run on
+    # other streams than its compute, each annotated apart).
+    cpu = spans["user_annotation"].get("forward")
+    launched = max(a for a, _ in cpu) if cpu else max(a for a, _ in found["forward"])
+    start = min((a for a, _ in found["forward"] if a >= launched), default=launched)
+    phase = {}
+    for p in PHASES:
+        mine = [s for s in found[p] if s[0] >= start]
+        phase[p] = (min(a for a, _ in mine), max(b for _, b in mine)) if mine else None
+    if any(v is None for v in phase.values()):
+        return {"error": "no forward/backward/step ranges in the trace's last iteration"}
     gpu = [e for e in events if e.get("cat") in GPU_CATS and e["ts"] + e["dur"] >= start]
     end = max([e["ts"] + e["dur"] for e in gpu] + [phase["step"][1]])
     # Backward's kernels come from autograd's device thread, outside the main thread's range: its

@@ -752,6 +752,34 @@ def test_profile_summary_of_the_last_iteration():
     assert summarize({"traceEvents": []}) == {"error": "no forward/backward/step ranges in the trace"}
 
 
+def test_profile_summary_takes_a_phase_on_every_stream_that_ran_it():
+    """The profiler annotates a range once per stream that ran its work: the step's updates on the
+    compute stream, its write-backs on the D2H stream, its commits' copies on the side stream (the
+    last to start). The phase runs from the first to the end of the last; the iteration begins with
+    the first of its forward's annotations after the main thread launched it (the step before it,
+    unsynchronized, may still run on the GPU then, and is not its)."""
+    from deepspeed_offload.bench.profile import summarize
+
+    def x(cat, name, ts, dur, stream):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": stream, "args": {"stream": stream}}
+
+    events = []
+    for it in (0, 1000):  # the CPU launches each iteration at it - 50; forward 0-300, backward 300-800
+        events += [x("user_annotation", "forward", it - 50, 100, 1), x("user_annotation", "backward", it + 50, 100, 1),
+                   x("user_annotation", "step", it + 150, 900, 1),
+                   x("gpu_user_annotation", "forward", it, 300, 7), x("gpu_user_annotation", "forward", it + 20, 200, 33),
+                   x("gpu_user_annotation", "backward", it + 300, 500, 7),
+                   x("gpu_user_annotation", "step", it + 800, 100, 7),  # updates
+                   x("gpu_user_annotation", "step", it + 810, 240, 44),  # write-backs, to 1050
+                   x("gpu_user_annotation", "step", it + 880, 15, 48),  # commits' copies, last to start
+                   x("kernel", "gemm", it, 300, 7), x("kernel", "gemm", it + 300, 500, 7)]
+    events.append(x("gpu_user_annotation", "step", 960, 60, 7))  # the first iteration's, after the second's launch
+    out = summarize({"traceEvents": events})
+    assert out["phases_s"]["forward"] == [0.0, 0.0003]
+    assert out["phases_s"]["backward"] == [0.0003, 0.0008]
+    assert out["phases_s"]["step"] == [0.0008, 0.00105]
+
+
 def test_rounds_run_the_modes_in_turn_and_pool_them(tmp_path, monkeypatch):
     """``--rounds 3``: resident and stream_speculate in turn, every other round reversed; each mode's
     iterations pooled (medians over all rounds, the mean of the pipelined means, the worst peaks),
