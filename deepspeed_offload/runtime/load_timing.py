@@ -22,7 +22,11 @@ that hook to the step's end (``future[k]``), read from the device's peak statist
 at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 ``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
 lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
-(no device memory of its own) there is nothing to measure and no limit.
+(no device memory of its own) there is nothing to measure and no limit. Loading nothing early, the
+measured iteration prefetches the step's first two sub-groups into the slots as its backward begins
+(``prefetch``) and holds them to the step; later iterations do not, so the slots are taken out of
+its backward's figures (``prefetched``): they count in ``peak_off`` and in the step's figure, where
+every iteration holds them, not in what the rest of backward allocates.
 
 The table holds for iterations like the measured one. Each later boundary backward is checked
 against it: the memory allocated when it begins (more activations: a layer first used now, a longer
@@ -74,6 +78,7 @@ class LoadTiming:
         self.divergences = 0  # boundary backwards that differed from the measured one
         self._measuring = False
         self._intervals: List[int] = []  # the measured iteration's peaks between its hooks
+        self._prefetched = 0  # bytes it holds in the slots from its backward's start (``prefetched``)
         self._reserved = 0  # the measured iteration's reserved peak so far
         self._hook = -1  # gradient hooks seen in this boundary backward
         self._boundary = False
@@ -99,6 +104,13 @@ class LoadTiming:
         if self.synchronous:
             return True
         return self.acc.max_memory_allocated() + 2 * self.slot_bytes <= PREFETCH_SHARE * self.acc.total_memory()
+
+    def prefetched(self, nbytes: int):
+        """The caller loaded ``nbytes`` into the slots as this backward began (``backward_begins`` said
+        so), held to the step. Iterations with early loads never prefetch: the measurement takes them
+        out of what the rest of its backward allocates."""
+        if self._measuring and self._boundary:
+            self._prefetched = nbytes
 
     def gradient_ready(self, param=None) -> Optional[int]:
         """A gradient hook of backward ran for ``param`` (and freed what it frees). Returns the bytes
@@ -202,6 +214,7 @@ class LoadTiming:
         self._measuring = True
         self._intervals = []
         self._reserved = 0
+        self._prefetched = 0
         self.acc.reset_peak_memory_stats()
 
     def _interval(self):
@@ -221,6 +234,9 @@ class LoadTiming:
         # intervals: [forward, hook 0], then one after each hook, the tail of backward, the step.
         # future[k]: the highest allocation after hook k, to the step's end.
         after = intervals[2:]  # the intervals after hook 0
+        # Backward's (all but the step's) without the slots it prefetched: later iterations load early
+        # instead, and take the slots only in the step.
+        after = [max(0, peak - self._prefetched) for peak in after[:-1]] + after[-1:]
         suffix, running = [], 0
         for peak in reversed(after):
             running = max(running, peak)

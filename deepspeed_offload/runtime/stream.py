@@ -226,6 +226,8 @@ class StreamMode:
         for k, i in enumerate(self.timing.prefetch_order(self._stream_order())):
             if not self.table[i].on_device:
                 self._load(i, slot=k, early=True)
+        # the table allocates both slots at its first load into one: held from here to the step
+        self.timing.prefetched(2 * self.slot_bytes if self.table.slots is not None else 0)
 
     def _load(self, i, slot, early):
         if self.stats is None:

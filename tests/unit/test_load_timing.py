@@ -46,17 +46,22 @@ class Param:
         self.ds_id = ds_id
 
 
-def iteration(dev, timing, load, layers=3, keys=None, extra=0):
+def iteration(dev, timing, load, layers=3, keys=None, extra=0, slots=0):
     """Runs one iteration against ``timing``; ``load(allowance)`` is what stream mode does at a hook
     (returns the bytes it loads now). ``keys``: the parameter of each hook in backward's order (one
     per layer, 0, 1, ... by default); a key of 9 is a layer used in this iteration only, whose
     ``extra`` activations are held from forward until its hook (it needs no recompute). Returns the
     iteration's peak, whether it prefetched, and what it loaded early (given back where the backward
-    diverged, as stream mode does)."""
+    diverged, as stream mode does). ``slots``: the bytes of the two slots, loaded when ``timing`` says
+    to prefetch and held to the step (whose 30 bytes count them)."""
     keys = list(range(layers)) if keys is None else keys
     dev.true_peak = top = dev.allocated
     dev.alloc(80 + extra)  # forward
     prefetch = timing.backward_begins(True)
+    held = slots if prefetch else 0
+    if held:
+        dev.alloc(held)
+        timing.prefetched(held)
     early = 0
     if timing.take_divergence():
         early = 0
@@ -79,7 +84,7 @@ def iteration(dev, timing, load, layers=3, keys=None, extra=0):
             early += n
             dev.alloc(n)
     timing.step_begins()
-    dev.alloc(30)  # fp32 gradient of a sub-group, the slots
+    dev.alloc(30 - held)  # fp32 gradient of a sub-group, the slots
     dev.alloc(-30 - early)  # written back: the early buffers go
     timing.step_ends()
     dev.alloc(-(dev.allocated - top))
@@ -102,6 +107,30 @@ def test_no_early_loads_until_an_iteration_is_measured_then_the_peak_holds():
     peak3, prefetch3, early3 = iteration(dev, timing, fits)
     assert early3 > 0 and not prefetch3
     assert peak3 <= timing.peak_off  # never above the iteration without early loads
+
+
+def test_the_slots_prefetched_in_the_measured_backward_are_room_in_later_ones():
+    """The measured iteration prefetches both slots (10 bytes) when its backward begins and holds them
+    to its step; later ones load early instead and take the slots in the step only. The slots count
+    in the measured peak and in the step's figure, not in what the rest of backward allocates: at
+    hook 0 early loads may hold 36 bytes (26 if the slots were counted there too), and the iteration
+    still peaks at the measured one's peak."""
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    iteration(dev, timing, fits, slots=10)
+    peak2, prefetch2, _ = iteration(dev, timing, fits, slots=10)  # the measured one
+    assert prefetch2 and timing.peak_off == peak2 == BASE + 80 + 10 + 40
+    assert timing.future == [BASE + 80 - 26 + 40, BASE + 80 - 52 + 40, BASE + 80 - 78 + 30]
+    allowances = []
+
+    def record(room):
+        allowances.append(room)
+        return fits(room)
+
+    peak3, prefetch3, early3 = iteration(dev, timing, record, slots=10)
+    assert not prefetch3 and allowances[0] == 36 and early3 == 98
+    assert peak3 == timing.peak_off  # reached, never passed
 
 
 def test_the_old_rule_raised_the_peak():
@@ -226,3 +255,19 @@ def test_a_fixed_cap_is_not_paused():
     dev, timing = measured(always=True, early_cap=30)
     _, _, early = iteration(dev, timing, fits, keys=[0, 7, 2])
     assert early > 0 and timing.divergences == 0
+
+
+def test_prefetched_slots_count_only_in_the_measurement_they_were_held_in():
+    """Reported outside a measured boundary backward, they are ignored; a measurement voided by a
+    skipped step starts again from none."""
+    dev = FakeDevice()
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    timing.backward_begins(True)
+    timing.prefetched(10)  # the first iteration: nothing is measured yet
+    assert timing._prefetched == 0
+    timing.step_ends()  # measured next
+    timing.backward_begins(True)
+    timing.prefetched(10)
+    assert timing._prefetched == 10
+    timing.step_skipped()  # void: the next iteration is measured instead
+    assert timing._prefetched == 0 and timing.measuring
