@@ -9,7 +9,8 @@ all); each wrapper calls DeepSpeed's own method and, around it, one verb of the 
   and, with speculation, ``partition_grads`` and the backward's epilogue: gradients became final;
 - ``_prepare_sub_group`` / ``_release_sub_group`` (DeepSpeed's loop over the sub-groups in its step):
   a sub-group's state comes in, and goes back out;
-- ``step``: a step that raised, was skipped, or ended (the measured plan's moves, placement.py);
+- ``step``: a step begins (before DeepSpeed's norm), and one that raised, was skipped, or ended (the
+  measured plan's moves, placement.py);
 - readers and writers of host state (``state_dict``, the ``_restore_*`` and ``set_*_hp_param``
   helpers, ``load_state_dict``) wait for the write-backs (and void speculated updates written over
   the host store); writers of gradients void speculation;
@@ -125,6 +126,7 @@ def _step(mode, orig):
     def step(*args, **kwargs):
         steps = mode.steps
         try:
+            mode.step_entered()
             result = orig(*args, **kwargs)
         except BaseException:
             mode.abort_step()

@@ -5,7 +5,8 @@ Three ways a sub-group reaches the device before DeepSpeed updates it:
 - **early**, during the boundary micro-batch's backward, into buffers of its own (stream mode with
   ``overlap``): as much as fits *without raising the iteration's peak*;
 - **prefetch**, the step's first two streamed sub-groups into the two staging slots when backward
-  begins (``prefetch``, when early loads are off or not yet allowed);
+  begins (``prefetch``, when early loads are off or not yet allowed), or else when DeepSpeed's step
+  begins, so that they load while it computes the gradient norm (``step_begins``);
 - **in the step**, through the slots, each load started as the previous sub-group is updated.
 
 Sub-groups compile mode keeps on the device (``kept``) are never prefetched into a slot (they would
@@ -24,9 +25,10 @@ at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
 (no device memory of its own) there is nothing to measure and no limit. Loading nothing early, the
 measured iteration prefetches the step's first two sub-groups into the slots as its backward begins
-(``prefetch``) and holds them to the step; later iterations do not, so the slots are taken out of
-its backward's figures (``prefetched``): they count in ``peak_off`` and in the step's figure, where
-every iteration holds them, not in what the rest of backward allocates.
+(``prefetch``) and holds them to the step; later iterations take them when the step begins, so the
+slots are taken out of its backward's figures (``prefetched``): they count in ``peak_off`` and in the
+step's figure, where every iteration holds them, not in what the rest of backward allocates. The
+step's figure starts where the step does, before DeepSpeed's norm (whose temporaries meet the slots).
 
 The table holds for iterations like the measured one. Each later boundary backward is checked
 against it: the memory allocated when it begins (more activations: a layer first used now, a longer
@@ -82,6 +84,7 @@ class LoadTiming:
         self._reserved = 0  # the measured iteration's reserved peak so far
         self._hook = -1  # gradient hooks seen in this boundary backward
         self._boundary = False
+        self._stepping = False  # between step_begins and step_ends (or step_skipped)
         self._diverged = False  # this boundary backward differs from the measured one
         self._released = True  # its divergence has been acted on (take_divergence)
 
@@ -156,13 +159,27 @@ class LoadTiming:
         self.future = []
         self._start_measurement()
 
-    def step_begins(self):
-        self._boundary = False
+    def step_begins(self) -> bool:
+        """DeepSpeed's step begins, before it computes the gradient norm (``StreamMode.step_entered``;
+        its first sub-group calls this again, a no-op then). Returns whether the step's first two
+        streamed sub-groups may load into the slots now, beside the norm's work (``prefetch``): after
+        a measurement, always (from here on the measured step's figure counts the slots, so the
+        allowances kept room for them); else if the peak seen so far plus both slots fits in
+        ``PREFETCH_SHARE`` of the device."""
+        if self._stepping:
+            return False
+        self._stepping, self._boundary = True, False
         self._interval()  # the tail of backward
+        if not self.prefetch:
+            return False
+        if self.synchronous or (self.future and not self._diverged):
+            return True
+        return self.acc.max_memory_allocated() + 2 * self.slot_bytes <= PREFETCH_SHARE * self.acc.total_memory()
 
     def step_ends(self):
         """The step wrote everything back (or left it where it stays): one iteration done."""
         self.steps += 1
+        self._stepping = False
         if self._measuring:
             self._interval()
             self._finish_measurement()
@@ -172,6 +189,7 @@ class LoadTiming:
 
     def step_skipped(self):
         """DeepSpeed skipped the step (overflow, non-finite norm): a measurement of it is void."""
+        self._stepping = False
         if self._measuring:
             self._start_measurement()  # measure the next iteration instead
         self._diverged = False

@@ -18,6 +18,7 @@ class StepStats:
         self.offloaded = 0  # sub-groups offloaded in this step
         self.loaded_early = 0  # sub-groups loaded before the step (in backward)
         self.loaded_in_step = 0
+        self.loaded_at_entry = 0  # ... of them, loaded as DeepSpeed's step began, before its norm
         self.speculated = 0  # sub-groups updated in backward (speculation.py) ...
         self.committed = 0  # ... whose update the step took
         self.discarded = 0  # ... and dropped (clipping, overflow)
@@ -30,6 +31,7 @@ class StepStats:
     def resolve(self) -> Dict[str, float]:
         out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups, "offloaded": self.offloaded,
                "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step,
+               "loaded_at_entry": self.loaded_at_entry,
                "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded}
         for kind, spans in self._spans.items():
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)

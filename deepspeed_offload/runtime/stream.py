@@ -19,7 +19,9 @@ One iteration, with ``overlap`` on (the default)::
                 iteration's peak (``gradients_final``); with speculation, each one whose gradient is
                 final is updated there, into its second host region or over its host region with a
                 copy of the state before kept on the device (``speculation.py``)
-    step:       ``bring_in``: speculated updates are committed (or discarded) once DeepSpeed has the
+    step:       ``step_entered``: the first two sub-groups to stream load into the slots while
+                DeepSpeed computes the gradient norm;
+                ``bring_in``: speculated updates are committed (or discarded) once DeepSpeed has the
                 norm; sub-groups loaded early are updated in place; the others stream through two
                 staging slots:
         h2d stream:      load next -> slot B     (after slot B's previous write-back)
@@ -37,6 +39,7 @@ write-back first (``synchronize_for_checkpoint``). Attach is one transaction (``
 failure while this class is built undoes what it did.
 """
 
+import itertools
 import time
 from typing import Dict, List, Optional
 
@@ -180,7 +183,9 @@ class StreamMode:
             speculates = self.speculation.backward_begins(boundary)
             self._early_order = self.speculation.early_order(self.order) if speculates else self.order
         if self.timing.backward_begins(boundary) and not self._in_step:
-            self._prefetch_into_slots()
+            self._prefetch_into_slots(self.timing.prefetch_order(self._stream_order()), early=True)
+            # the table allocates both slots at its first load into one: held from here to the step
+            self.timing.prefetched(2 * self.slot_bytes if self.table.slots is not None else 0)
         if self.timing.take_divergence():
             self._give_back_early()
 
@@ -220,14 +225,12 @@ class StreamMode:
                 held += needed
             self._next_early += 1
 
-    def _prefetch_into_slots(self):
-        """When backward begins, without early loads: the step's first two streamed sub-groups into
-        the two staging slots (``prefetch``)."""
-        for k, i in enumerate(self.timing.prefetch_order(self._stream_order())):
+    def _prefetch_into_slots(self, first: List[int], early: bool):
+        """The step's first streamed sub-groups (``first``, at most two) into the two staging slots,
+        each into the slot the step will look for it in (``prefetch``)."""
+        for k, i in enumerate(first):
             if not self.table[i].on_device:
-                self._load(i, slot=k, early=True)
-        # the table allocates both slots at its first load into one: held from here to the step
-        self.timing.prefetched(2 * self.slot_bytes if self.table.slots is not None else 0)
+                self._load(i, slot=k, early=early)
 
     def _load(self, i, slot, early):
         if self.stats is None:
@@ -241,6 +244,23 @@ class StreamMode:
             self.stats.span("h2d_wait", span)  # a synchronous copy in the step: time the step waits
 
     # ------------------------------------------------------------------ the streamed step
+
+    def step_entered(self):
+        """DeepSpeed's ``step()`` begins. Before it asks for the first sub-group it computes the
+        gradient norm and waits for it on the CPU; the first two sub-groups the step streams load into
+        the slots now, beside that work, where ``LoadTiming.step_begins`` allows. With updates from
+        backward the stream order depends on the norm (committed, they leave it; discarded, they
+        stream): only the sub-groups first in both orders load now."""
+        if self._in_step or not self.timing.step_begins():
+            return
+        updated = self.speculation.updated if self.speculation is not None else {}
+        if_committed = self.timing.prefetch_order(self._stream_order(committing=updated))
+        if_discarded = self.timing.prefetch_order(self._stream_order(committing=()))
+        first = [i for i, j in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(if_committed, if_discarded))]
+        loaded = [i for i in first if not self.table[i].on_device]
+        self._prefetch_into_slots(first, early=False)
+        if loaded:
+            self.stats.loaded_at_entry = len(loaded)
 
     def streams(self, i: int) -> bool:
         """Sub-group ``i``'s state is offloaded: the step brings it in and sends it out."""
@@ -272,10 +292,11 @@ class StreamMode:
         if i == self.order[-1]:
             self._end_step()
 
-    def _stream_order(self) -> List[int]:
+    def _stream_order(self, committing=None) -> List[int]:
         """The sub-groups the step streams through the slots: all but those in buffers of their own
-        and those whose update from backward it commits."""
-        committing = self.speculation.committing if self.speculation is not None else ()
+        and those whose update from backward it commits (``committing``; None: this step's)."""
+        if committing is None:
+            committing = self.speculation.committing if self.speculation is not None else ()
         return [i for i in self.order
                 if not (self.table[i].on_device and self.table[i].slot is None) and i not in committing]
 
@@ -343,10 +364,13 @@ class StreamMode:
 
     def step_skipped(self):
         """A step DeepSpeed skipped (fp16 overflow, a non-finite gradient norm) never asked for what
-        backward loaded: give those buffers back (the host copy is still the current one) and drop
+        backward (or its own entry) loaded: give those buffers back (the host copy is still the current one) and drop
         the stats of what it loaded, so they do not count in the next step."""
         self.timing.step_skipped()
         self.discard_speculation("overflow")
+        self._give_back_unused()
+
+    def _give_back_unused(self):
         if self.stats is not None or self.table.slots is not None:
             self.released_unused += len(self.table.release_loaded())
             self.table.free_slots()
@@ -358,7 +382,8 @@ class StreamMode:
         next step (or a checkpoint) starts from a consistent place."""
         self.timing.step_skipped()
         self.discard_speculation("step raised")
-        if not self._in_step:
+        if not self._in_step:  # raised before its first sub-group: what was loaded for it goes back
+            self._give_back_unused()
             return
         for i in self.table.in_phase(Phase.ON_DEVICE):
             if self.table[i].host_stale:  # kept on the device (compile mode): still its newest copy

@@ -51,8 +51,9 @@ CASES = {
                                                                      "reduce_bucket_size": 64}}),
     # early loads capped at half the offloaded state, gradients final one small bucket at a time (updates
     # all through backward): the loaded state, the 16-bit casts kept for the commit and the updates'
-    # fp32 gradient buffer stay within the cap together
-    "early_cap": dict(clip=HUGE, early_cap_share=0.5,
+    # fp32 gradient buffer stay within the cap together. Clipping fires at step 3 (step 4 backs off):
+    # the sub-groups loaded as that step began stream first whether it commits or not
+    "early_cap": dict(clip=HUGE, clip_by_step=[HUGE, HUGE, TINY, HUGE, HUGE, HUGE], early_cap_share=0.5,
                       extra_config={"zero_optimization": {"stage": 3, "sub_group_size": 1, "reduce_bucket_size": 64}}),
     # the tied weight's two uses in reentrant checkpoints of their own: its gradient is reduced twice in
     # backward (in buckets of one gradient each: DeepSpeed refuses a parameter twice in one bucket), so an
@@ -146,11 +147,13 @@ def test_speculation_parity(case_runs, case):
             assert c["rollback_steps"] == 1 and c["backed_off"] == 1 and c["commit_steps"] == 3, c
             assert [s["committed"] > 0 for s in per_step] == [False, False, False, True, True, True], per_step
         elif case == "early_cap":
-            assert c["committed"] > 0 and c["discarded"] == 0, c
+            assert c["commit_steps"] == 3 and c["rollback_steps"] == 1 and c["reasons"] == {"clipped": 1}, c
             cap, held = ours["early_cap"], ours["early_held_max"]
             # the cap bound, and was reached (a load with a device copy to come needs about twice its bytes)
             slack = (3 if "from_device" in name else 1) * max(ours["handle"]["nbytes"])
             assert cap - slack < held <= cap, (held, cap)
+            # what the cap left out streams in the step: its first two loaded as the step began
+            assert [s["loaded_at_entry"] for s in per_step] == [2] * len(per_step), per_step
         elif case == "reentrant_tied":
             # the tied layer's two sub-groups (weight, bias), updated before their second reduction in
             # the second step, are discarded alone and do not speculate again; the other updates commit

@@ -46,14 +46,18 @@ class Param:
         self.ds_id = ds_id
 
 
-def iteration(dev, timing, load, layers=3, keys=None, extra=0, slots=0):
+def iteration(dev, timing, load, layers=3, keys=None, extra=0, slots=0, norm=0, measured_from_entry=True):
     """Runs one iteration against ``timing``; ``load(allowance)`` is what stream mode does at a hook
     (returns the bytes it loads now). ``keys``: the parameter of each hook in backward's order (one
     per layer, 0, 1, ... by default); a key of 9 is a layer used in this iteration only, whose
     ``extra`` activations are held from forward until its hook (it needs no recompute). Returns the
     iteration's peak, whether it prefetched, and what it loaded early (given back where the backward
     diverged, as stream mode does). ``slots``: the bytes of the two slots, loaded when ``timing`` says
-    to prefetch and held to the step (whose 30 bytes count them)."""
+    to prefetch and held to the step (whose 30 bytes count them): when backward begins, or else when
+    the step begins, before DeepSpeed's gradient norm allocates ``norm`` bytes for a while (and then
+    asks for the first sub-group, which calls ``step_begins`` again). ``measured_from_entry=False``:
+    the negative control, the step's figure started at its first sub-group, after the norm, and the
+    slots taken at the entry all the same."""
     keys = list(range(layers)) if keys is None else keys
     dev.true_peak = top = dev.allocated
     dev.alloc(80 + extra)  # forward
@@ -83,7 +87,13 @@ def iteration(dev, timing, load, layers=3, keys=None, extra=0, slots=0):
             n = load(allowance - early)
             early += n
             dev.alloc(n)
-    timing.step_begins()
+    at_entry = timing.step_begins() if measured_from_entry else True  # DeepSpeed's step begins
+    if at_entry and not held:
+        held = slots
+        dev.alloc(held)
+    dev.alloc(norm)  # the norm's temporaries
+    dev.alloc(-norm)
+    assert not timing.step_begins() or not measured_from_entry  # its first sub-group: the step began already
     dev.alloc(30 - held)  # fp32 gradient of a sub-group, the slots
     dev.alloc(-30 - early)  # written back: the early buffers go
     timing.step_ends()
@@ -271,3 +281,43 @@ def test_prefetched_slots_count_only_in_the_measurement_they_were_held_in():
     assert timing._prefetched == 10
     timing.step_skipped()  # void: the next iteration is measured instead
     assert timing._prefetched == 0 and timing.measuring
+
+
+def test_the_slots_taken_as_the_step_begins_meet_the_norm_within_the_measured_peak():
+    """Later iterations take the slots when DeepSpeed's step begins, so that they load while it
+    computes the gradient norm, whose temporaries (here 25 bytes) then meet them. The step's figure
+    starts there too: the iteration reaches the measured peak and never passes it."""
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    iteration(dev, timing, fits, slots=10, norm=25)
+    peak2, prefetch2, _ = iteration(dev, timing, fits, slots=10, norm=25)  # the measured one
+    assert prefetch2 and timing.peak_off == peak2
+    peak3, prefetch3, early3 = iteration(dev, timing, fits, slots=10, norm=25)
+    assert not prefetch3 and early3 > 0
+    assert peak3 == timing.peak_off  # reached, never passed
+
+
+def test_measured_from_the_first_sub_group_the_slots_at_the_entry_raised_the_peak():
+    """The negative control: the measured step's figure starting at its first sub-group, the norm
+    falls in backward's tail, where the slots are taken out; later iterations hold them through it."""
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    iteration(dev, timing, fits, slots=10, norm=25, measured_from_entry=False)
+    iteration(dev, timing, fits, slots=10, norm=25, measured_from_entry=False)
+    peak3, _, early3 = iteration(dev, timing, fits, slots=10, norm=25, measured_from_entry=False)
+    assert early3 > 0 and peak3 == timing.peak_off + 5  # 155 against 150
+
+
+def test_the_step_prefetches_once_and_only_within_the_share_before_a_measurement():
+    dev = FakeDevice(total=100)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    dev.alloc(80)
+    assert timing.step_begins() and not timing.step_begins()  # 80 + 10 <= 90: once per step
+    timing.step_ends()
+    dev.alloc(5)
+    assert not timing.step_begins()  # 95 > 90
+    timing.step_skipped()
+    off = LoadTiming(dev, synchronous=True, slot_bytes=5, early_in_backward=True, prefetch=False)
+    assert not off.step_begins()
