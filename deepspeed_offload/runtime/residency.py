@@ -139,6 +139,8 @@ class ResidencyTable:
         else:
             if self.slots is None:
                 self._allocate_slots()
+            if any(self.of[j].slot == slot for j in self.in_slots()):
+                raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot load into slot {slot}: it is in use")
             bufs, ready = self.slots[slot], self.slot_free[slot]
         r.buffers, r.slot = bufs, slot
         r.loaded, span = self.copies.h2d(bufs, self._regions(i), waits=(ready, r.written))
@@ -252,9 +254,13 @@ class ResidencyTable:
             self.slots.append(bufs)
             self.slot_free.append(ready)
 
+    def in_slots(self) -> List[int]:
+        """The sub-groups in a staging slot now."""
+        return [i for i, r in self.of.items() if r.on_device and r.slot is not None]
+
     def free_slots(self):
         """Hand both slots back to the allocator (their copies keep the blocks until they end)."""
-        held = [i for i, r in self.of.items() if r.on_device and r.slot is not None]
+        held = self.in_slots()
         assert not held, f"deepspeed-offload: slots freed while sub-groups {held} are in them"
         self.slots, self.slot_free = None, [None, None]
 

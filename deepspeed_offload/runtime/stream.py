@@ -250,8 +250,9 @@ class StreamMode:
         gradient norm and waits for it on the CPU; the first two sub-groups the step streams load into
         the slots now, beside that work, where ``LoadTiming.step_begins`` allows. With updates from
         backward the stream order depends on the norm (committed, they leave it; discarded, they
-        stream): only the sub-groups first in both orders load now."""
-        if self._in_step or not self.timing.step_begins():
+        stream): only the sub-groups first in both orders load now. Where backward prefetched into
+        the slots already (compile mode may since keep what it put there), they stay as they are."""
+        if self._in_step or not self.timing.step_begins() or self.table.in_slots():
             return
         updated = self.speculation.updated if self.speculation is not None else {}
         if_committed = self.timing.prefetch_order(self._stream_order(committing=updated))
