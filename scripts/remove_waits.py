@@ -49,12 +49,12 @@ class Wait:
 
 
 WAITS = [
-    Wait("load.ready", RES, "waits=(ready, r.written)", "waits=(None, r.written)",
-         "a load waits for its destination (new buffers: their allocation; a slot: its last write-back)",
-         (UNIT, PARITY)),
-    Wait("write_back.slot_free", RES, "self.slot_free[r.slot] = r.written", "pass",
-         "a write-back from a slot becomes what the slot's next load waits for", (UNIT, PARITY)),
-    Wait("load.written", RES, "waits=(ready, r.written)", "waits=(ready, None)",
+    Wait("load.ready", RES, "waits=(r.written, *destination)", "waits=(r.written, )",
+         "a load waits for its destination (new buffers: their allocation; a place in a slot: the "
+         "write-backs of the sub-groups there before it)", (UNIT, PARITY)),
+    Wait("write_back.slot_free", RES, "self._in_slot[i].written = r.written", "pass",
+         "a write-back from a slot becomes what the next load into its place waits for", (UNIT, PARITY)),
+    Wait("load.written", RES, "waits=(r.written, *destination)", "waits=(*destination, )",
          "a load waits for the sub-group's own previous write-back", (UNIT, COMPILE)),
     Wait("arrive", RES, "self.copies.compute_waits(r.loaded)", "pass",
          "the stream that updates a sub-group (compute, or side) waits for its load", (UNIT, PARITY, SPECULATION)),

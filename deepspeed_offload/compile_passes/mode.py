@@ -149,7 +149,7 @@ class CompileMode(StreamMode):
         started to copy (0 if it is on the device already, or a step is running)."""
         if self._in_step or self.table[i].on_device:
             return 0
-        self._load(i, slot=None, early=True)
+        self._load(i, staged=False, early=True)
         return self.layout.nbytes[i]
 
     def offload(self, i) -> int:

@@ -4,10 +4,10 @@ Three ways a sub-group reaches the device before DeepSpeed updates it:
 
 - **early**, during the boundary micro-batch's backward, into buffers of its own (stream mode with
   ``overlap``): as much as fits *without raising the iteration's peak*;
-- **prefetch**, the step's first two streamed sub-groups into the two staging slots when backward
+- **prefetch**, the step's first streamed sub-groups into the two staging slots when backward
   begins (``prefetch``, when early loads are off or not yet allowed), or else when DeepSpeed's step
   begins, so that they load while it computes the gradient norm (``step_begins``);
-- **in the step**, through the slots, each load started as the previous sub-group is updated.
+- **in the step**, through the slots, each load started as a sub-group before it leaves its place.
 
 Sub-groups compile mode keeps on the device (``kept``) are never prefetched into a slot (they would
 leave with it) and, found on the host when the step begins, load into buffers of their own then.
@@ -211,8 +211,9 @@ class LoadTiming:
         return max(0, self.peak_off - self.future[k])
 
     def prefetch_order(self, streamed: Iterable[int]) -> List[int]:
-        """What prefetch loads into the two slots: the first two streamed sub-groups that are not kept."""
-        return [i for i in streamed if i not in self.kept][:2]
+        """What prefetch loads into the slots, in order, as many as they take: the streamed
+        sub-groups that are not kept."""
+        return [i for i in streamed if i not in self.kept]
 
     def load_at_step_start(self, on_device) -> List[int]:
         """Kept sub-groups the step finds on the host (a reader of host state wrote them back between

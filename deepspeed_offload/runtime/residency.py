@@ -14,8 +14,9 @@ Every offloaded ZeRO-3 sub-group has one ``Residency``::
 The ``ResidencyTable`` holds them all, the two staging slots and the copy executor, and its verbs
 are the only callers of ``move``; each verb decides what its copy waits for:
 
-- a load waits for the sub-group's own previous write-back, and for its destination: the slot's
-  last write-back, or (buffers of its own) the compute work queued before they were allocated;
+- a load waits for the sub-group's own previous write-back, and for its destination: the write-backs
+  of the sub-groups that were in its place in a slot before it, or (buffers of its own, a slot's
+  first use) the compute work queued before they were allocated;
 - ``arrive``: the stream that will update it waits for the load (the compute stream; a speculated
   update's side stream, ``speculation.py``);
 - a write-back waits for the update (an event on the stream that updated it: no host wait);
@@ -29,15 +30,26 @@ after its write-back is queued, a block goes back to the allocator, which hands 
 once the copies queued by then have ended. Stream mode's step waits for its write-backs before it
 returns (``drain``), so between steps the device holds none of them.
 
-A sub-group's device buffers are a staging slot (shared, index 0 or 1) or buffers of its own
-(loaded early, ahead of the step). The DeepSpeed tensors' ``.data`` rebinding is not done here:
+A sub-group's device buffers are a place in a staging slot (slot 0 or 1, at an offset) or buffers
+of its own (loaded early, ahead of the step). Each slot holds the largest offloaded region, so
+smaller sub-groups pack several to a slot (``pack``): the step's sub-groups go into the slots in
+order, each right after the one before it while it fits, else at the start of the other slot. A
+load may go into its place once every sub-group that was there before has been sent out (its
+write-back queued: the load waits for it on the device, not on the CPU); so with sub-groups a third
+of a slot, up to six are loading, updated or writing back at once instead of two. The DeepSpeed tensors' ``.data`` rebinding is not done here:
 the streamed step (``runtime/stream.py``) points them at ``view(i, key)`` or at the host store.
 """
 
 import enum
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
 
 from .host_store import HostStore
+
+# A place's offsets in a slot are multiples of this many elements (every view stays aligned).
+PLACE_ALIGN = 256
+Place = Tuple[int, Dict[torch.dtype, int]]  # (slot, element offset per dtype)
 
 
 class Phase(enum.Enum):
@@ -96,6 +108,45 @@ class Residency:
         return f"Residency({self.sub_group}, {self.phase.name}{', ' + where if self.on_device else ''})"
 
 
+def _aligned(n: int) -> int:
+    return -(-n // PLACE_ALIGN) * PLACE_ALIGN
+
+
+def pack(order: Iterable[int], numel_of: Callable[[int], Dict[torch.dtype, int]],
+         slot_numel: Dict[torch.dtype, int]) -> Dict[int, Place]:
+    """The places of ``order``'s sub-groups in the two slots: each right after the one before it in
+    the same slot while it fits (in every dtype), else at the start of the other slot. A prefix of
+    ``order`` gets the places it gets in the whole."""
+    places, slot, fill = {}, 0, {}
+    for i in order:
+        need = numel_of(i)
+        if any(_aligned(fill.get(dt, 0)) + n > slot_numel[dt] for dt, n in need.items()):
+            slot, fill = 1 - slot, {}
+        offsets = {dt: _aligned(fill.get(dt, 0)) for dt in need}
+        places[i] = (slot, offsets)
+        fill.update({dt: offsets[dt] + n for dt, n in need.items()})
+    return places
+
+
+class _Occupant:
+    """A sub-group's place in a slot: in use until sent out (``active``), then the event of its
+    write-back (None: released unused, its load ran before any later one on the H2D stream)."""
+
+    __slots__ = ("sub_group", "place", "extent", "active", "written")
+
+    def __init__(self, sub_group: int, place: Place, extent: Dict[torch.dtype, Tuple[int, int]]):
+        self.sub_group, self.place, self.extent = sub_group, place, extent
+        self.active, self.written = True, None
+
+    def overlaps(self, extent) -> bool:
+        return any(dt in self.extent and self.extent[dt][0] < hi and lo < self.extent[dt][1]
+                   for dt, (lo, hi) in extent.items())
+
+    def within(self, extent) -> bool:
+        return all(dt in extent and extent[dt][0] <= lo and hi <= extent[dt][1]
+                   for dt, (lo, hi) in self.extent.items())
+
+
 class ResidencyTable:
     """Every offloaded sub-group's ``Residency``, the two staging slots, the copies between them."""
 
@@ -105,7 +156,10 @@ class ResidencyTable:
         self.slot_numel = slot_numel
         self.of: Dict[int, Residency] = {i: Residency(i) for i in offloaded}
         self.slots: Optional[List[dict]] = None  # two dicts dtype -> buffer, while a step needs them
-        self.slot_free: List[object] = [None, None]  # per slot: what a load into it waits for
+        self.slot_ready: List[object] = [None, None]  # per slot: what its first load waits for
+        self.places: Dict[int, Place] = {}  # this step's streamed sub-groups -> their places (``plan``)
+        self._occupants: List[List[_Occupant]] = [[], []]  # per slot: who was where since it was allocated
+        self._in_slot: Dict[int, _Occupant] = {}  # sub-groups in a slot now
         self.last_load = None  # event of the newest H2D
         self.last_write = None  # event of the newest D2H
         self.early_bytes = 0  # bytes held in buffers of their own (loaded ahead of the step)
@@ -128,22 +182,38 @@ class ResidencyTable:
 
     # ------------------------------------------------------------------ transitions
 
-    def load(self, i: int, slot: Optional[int] = None) -> Tuple[int, object]:
-        """H2D of sub-group ``i`` into staging slot ``slot``, or into buffers of its own (None).
-        Returns (bytes, span of a synchronous copy or None)."""
+    def load(self, i: int, staged: bool = False) -> Tuple[int, object]:
+        """H2D of sub-group ``i`` into its place in a staging slot (``staged``: ``plan`` gave it one,
+        ``can_stage`` says it is free), or into buffers of its own. Returns (bytes, span of a
+        synchronous copy or None)."""
         r = self.of[i]
-        r.move(Phase.LOADING)
-        if slot is None:
-            bufs, ready = self.copies.alloc(self.store.region_numel(i))
-            self.early_bytes += self.store_bytes(i)
-        else:
+        if staged:
             if self.slots is None:
                 self._allocate_slots()
-            if any(self.of[j].slot == slot for j in self.in_slots()):
-                raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot load into slot {slot}: it is in use")
-            bufs, ready = self.slots[slot], self.slot_free[slot]
+            slot, offsets = place = self.places[i]
+            numel = self.store.region_numel(i)
+            extent = {dt: (offsets[dt], offsets[dt] + n) for dt, n in numel.items()}
+            before = [o for o in self._occupants[slot] if o.overlaps(extent)]
+            busy = [o.sub_group for o in before if o.active]
+            if busy:
+                raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot load into slot {slot}: "
+                                        f"sub-groups {busy} are still in its place")
+            r.move(Phase.LOADING)
+            occupant = _Occupant(i, place, extent)
+            # (one wholly inside the new place is covered by it: the next load there waits for this one)
+            self._occupants[slot] = [o for o in self._occupants[slot] if not o.within(extent)] + [occupant]
+            self._in_slot[i] = occupant
+            bufs = {dt: self.slots[slot][dt].narrow(0, offsets[dt], n) for dt, n in numel.items()}
+            destination = (self.slot_ready[slot], *(o.written for o in before))
+        else:
+            r.move(Phase.LOADING)
+            slot = None
+            bufs, ready = self.copies.alloc(self.store.region_numel(i))
+            self.early_bytes += self.store_bytes(i)
+            destination = (ready, )
         r.buffers, r.slot = bufs, slot
-        r.loaded, span = self.copies.h2d(bufs, self._regions(i), waits=(ready, r.written))
+        # (the sub-group's own last write-back first: the negative control in tests drops the rest)
+        r.loaded, span = self.copies.h2d(bufs, self._regions(i), waits=(r.written, *destination))
         self.last_load = r.loaded
         return self.store_bytes(i), span
 
@@ -174,7 +244,7 @@ class ResidencyTable:
         r.written, span = self.copies.d2h(self._regions(i, other), r.buffers, waits=(r.updated, ))
         r.host_stale = False  # the host store is the newest copy once this lands
         if r.slot is not None:
-            self.slot_free[r.slot] = r.written  # the slot's next load waits for this copy
+            self._in_slot[i].written = r.written  # the next load into its place waits for this copy
         self._let_go(r)
         self.last_write = r.written
         return self.store_bytes(i), span
@@ -211,6 +281,8 @@ class ResidencyTable:
             last_copy = r.written if r.phase is Phase.WRITING_BACK else r.loaded
             if last_copy is not None:
                 self._in_flight.append((last_copy, nbytes))
+        if r.slot is not None:
+            self._in_slot.pop(r.sub_group).active = False
         r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
 
     def held_early(self) -> int:
@@ -247,22 +319,38 @@ class ResidencyTable:
 
     # ------------------------------------------------------------------ slots
 
+    def plan(self, order: List[int]):
+        """The places of the sub-groups the step streams, in its order (``pack``). Those in a slot
+        already (prefetched for a prefix of ``order``) are where the plan puts them."""
+        places = pack(order, self.store.region_numel, self.slot_numel)
+        moved = [i for i, o in self._in_slot.items() if places.get(i) != o.place]
+        if moved:
+            raise IllegalTransition(f"deepspeed-offload: sub-groups {moved} are in a slot where this step "
+                                    "does not expect them")
+        self.places = places
+
+    def can_stage(self, i: int) -> bool:
+        """Whether sub-group ``i``'s place (``plan``) holds no sub-group now: it may load there."""
+        slot, offsets = self.places[i]
+        extent = {dt: (offsets[dt], offsets[dt] + n) for dt, n in self.store.region_numel(i).items()}
+        return not any(o.active and o.overlaps(extent) for o in self._occupants[slot])
+
     def _allocate_slots(self):
-        self.slots, self.slot_free = [], []
+        self.slots, self.slot_ready = [], []
         for _ in range(2):
             bufs, ready = self.copies.alloc(self.slot_numel)
             self.slots.append(bufs)
-            self.slot_free.append(ready)
+            self.slot_ready.append(ready)
 
     def in_slots(self) -> List[int]:
         """The sub-groups in a staging slot now."""
-        return [i for i, r in self.of.items() if r.on_device and r.slot is not None]
+        return list(self._in_slot)
 
     def free_slots(self):
         """Hand both slots back to the allocator (their copies keep the blocks until they end)."""
         held = self.in_slots()
         assert not held, f"deepspeed-offload: slots freed while sub-groups {held} are in them"
-        self.slots, self.slot_free = None, [None, None]
+        self.slots, self.slot_ready, self._occupants, self.places = None, [None, None], [[], []], {}
 
     # ------------------------------------------------------------------ figures
 

@@ -19,20 +19,23 @@ One iteration, with ``overlap`` on (the default)::
                 iteration's peak (``gradients_final``); with speculation, each one whose gradient is
                 final is updated there, into its second host region or over its host region with a
                 copy of the state before kept on the device (``speculation.py``)
-    step:       ``step_entered``: the first two sub-groups to stream load into the slots while
+    step:       ``step_entered``: the first sub-groups to stream load into the slots while
                 DeepSpeed computes the gradient norm;
                 ``bring_in``: speculated updates are committed (or discarded) once DeepSpeed has the
                 norm; sub-groups loaded early are updated in place; the others stream through two
-                staging slots:
-        h2d stream:      load next -> slot B     (after slot B's previous write-back)
-        compute stream:  wait(load i); prepare, clip, optimizer.step(), copy to bf16, in slot A
-        d2h stream:      write back i from slot A (after the update of i)
-                ``send_out``: written back; at the last one the CPU waits for every write-back
-                (``_end_step``): between steps the device holds none of the offloaded state.
+                staging slots, packed several to a slot where they are smaller than the largest
+                (``ResidencyTable.plan``):
+        h2d stream:      load k+1, k+2, ... into their places (each after the write-backs of the
+                         sub-groups that were there before it: ``_stage_ahead``)
+        compute stream:  wait(load k); prepare, clip, optimizer.step(), copy to bf16, in its place
+        d2h stream:      write back k from its place (after the update of k)
+                ``send_out``: written back, its place free for the next loads; at the last one the
+                CPU waits for every write-back (``_end_step``): between steps the device holds none
+                of the offloaded state.
     after:      ``between_steps``: the measured plan may keep more sub-groups resident (``_place``).
 
-With ``overlap`` off, nothing loads in backward except (``prefetch``) the first two sub-groups into
-the two slots. DeepSpeed's tensor objects never change; only their ``.data`` moves (state_tensors.py).
+With ``overlap`` off, nothing loads in backward except (``prefetch``) the first sub-groups into
+the two slots, as many as they take. DeepSpeed's tensor objects never change; only their ``.data`` moves (state_tensors.py).
 Nothing in the loop synchronizes the device; a load waits for the sub-group's previous write-back,
 and anything on the CPU that reads host state (a checkpoint, ``safe_get_full_*``) waits for every
 write-back first (``synchronize_for_checkpoint``). Attach is one transaction (``attach.py``): a
@@ -88,6 +91,7 @@ class StreamMode:
         self._early_order: List[int] = self.order  # members in the order they speculate, then step order
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
+        self._next_staged = 0  # index in self._streamed of the next one to load
         self._update_start, self._in_step, self.steps = None, False, 0
         self.released_unused = 0  # sub-groups loaded ahead of a step that did not run, given back
         self.stats: Optional[StepStats] = None
@@ -221,21 +225,24 @@ class StreamMode:
                 needed = self.layout.nbytes[i] + (spec.extra_bytes(i) if spec is not None else 0)  # (its update's)
                 if held + needed > allowance:
                     return  # asked again at the next gradient hook, when backward has freed more
-                self._load(i, slot=None, early=True)
+                self._load(i, staged=False, early=True)
                 held += needed
             self._next_early += 1
 
     def _prefetch_into_slots(self, first: List[int], early: bool):
-        """The step's first streamed sub-groups (``first``, at most two) into the two staging slots,
-        each into the slot the step will look for it in (``prefetch``)."""
-        for k, i in enumerate(first):
+        """The step's first streamed sub-groups (``first``, in its order) into their places in the
+        staging slots, as many as the empty slots take (``prefetch``)."""
+        self.table.plan(first)
+        for i in first:
             if not self.table[i].on_device:
-                self._load(i, slot=k, early=early)
+                if not self.table.can_stage(i):
+                    return
+                self._load(i, staged=True, early=early)
 
-    def _load(self, i, slot, early):
+    def _load(self, i, staged, early):
         if self.stats is None:
             self.stats = StepStats(self.copies)
-        nbytes, span = self.table.load(i, slot=slot)
+        nbytes, span = self.table.load(i, staged=staged)
         self.stats.bytes_h2d += nbytes
         if early:
             self.stats.loaded_early += 1
@@ -258,10 +265,9 @@ class StreamMode:
         if_committed = self.timing.prefetch_order(self._stream_order(committing=updated))
         if_discarded = self.timing.prefetch_order(self._stream_order(committing=()))
         first = [i for i, j in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(if_committed, if_discarded))]
-        loaded = [i for i in first if not self.table[i].on_device]
         self._prefetch_into_slots(first, early=False)
-        if loaded:
-            self.stats.loaded_at_entry = len(loaded)
+        if self.stats is not None:
+            self.stats.loaded_at_entry = len(self.table.in_slots())
 
     def streams(self, i: int) -> bool:
         """Sub-group ``i``'s state is offloaded: the step brings it in and sends it out."""
@@ -275,14 +281,14 @@ class StreamMode:
         if self.speculation is not None and self.speculation.commit(i):
             return False
         if i in self._position:
-            self._load_into_slot(self._position[i])  # normally done already, by the previous sub-group
+            self._stage_ahead()  # normally done already, as the sub-groups before it went out
+            if not self.table[i].on_device:
+                raise RuntimeError(f"deepspeed-offload: sub-group {i}'s place in a slot is not free")
         before = self.copies.clock()
         self.table.arrive(i)
         self._update_start = self.copies.clock()
         self.stats.span("h2d_wait", (before, self._update_start))
         self.tensors.point_at(i, lambda key: self.table.view(i, key))
-        if i in self._position:
-            self._load_into_slot(self._position[i] + 1)  # into the other slot, after its last write-back
         return True
 
     def send_out(self, i: int):
@@ -290,6 +296,7 @@ class StreamMode:
         backward); the step ends at the last."""
         if self.speculation is None or not self.speculation.took(i):
             self._updated(i)
+            self._stage_ahead()  # its place is free for the next sub-groups once its write-back ran
         if i == self.order[-1]:
             self._end_step()
 
@@ -312,22 +319,24 @@ class StreamMode:
         if self.speculation is not None:
             self.speculation.decide()  # DeepSpeed has the norm now: commit the updates from backward, or not
         for i in self.timing.load_at_step_start(lambda i: self.table[i].on_device):
-            self._load(i, slot=None, early=False)
+            self._load(i, staged=False, early=False)
         self._streamed = self._stream_order()
         self._position = {i: k for k, i in enumerate(self._streamed)}
-        for k, i in enumerate(self._streamed[:2]):  # both slots are free: fill them now
-            self._load_into_slot(k)
+        self.table.plan(self._streamed)
+        self._next_staged = 0
+        self._stage_ahead()  # the slots are free: fill them now
 
-    def _load_into_slot(self, k):
-        """Load the ``k``-th streamed sub-group into slot ``k % 2`` unless it is there already."""
-        if k >= len(self._streamed):
-            return
-        i = self._streamed[k]
-        r = self.table[i]
-        if r.on_device:
-            assert r.slot == k % 2, f"deepspeed-offload: sub-group {i} is in slot {r.slot}, the step expects {k % 2}"
-            return
-        self._load(i, slot=k % 2, early=False)
+    def _stage_ahead(self):
+        """Queue the loads of the streamed sub-groups, in order, from the next one not loaded, for as
+        long as each one's place in the slots is free (the sub-groups there before it went out:
+        the load waits for their write-backs on the device)."""
+        while self._in_step and self._next_staged < len(self._streamed):
+            i = self._streamed[self._next_staged]
+            if not self.table[i].on_device:
+                if not self.table.can_stage(i):
+                    return
+                self._load(i, staged=True, early=False)
+            self._next_staged += 1
 
     def _updated(self, i):
         """Sub-group ``i`` was updated: written back and its tensors pointed at the host store, or

@@ -21,8 +21,9 @@ compute stream must have waited for every use of it by then, or the buffer must 
 ``joined_allocs`` shows the check saw some.
 
 ``drop_slot_wait=True`` is the negative control: every load ignores what its destination waits for
-(the runtime passes ``(destination ready, previous write-back)``; for a staging slot, the slot's last
-write-back), so a slot is refilled before its write-back read it, which parity must catch.
+(the runtime passes ``(previous write-back, destination ready...)``; for a place in a staging slot,
+the write-backs of the sub-groups there before it), so a slot is refilled before its write-back read
+it, which parity must catch.
 The device-memory policy is the CPU accelerator's (``synchronous``: no limits derived from memory).
 """
 
@@ -102,7 +103,7 @@ class DeferredCopies:
     def h2d(self, dst, src, waits):
         waits = tuple(waits)
         if self.drop_slot_wait:
-            waits = waits[1:]
+            waits = waits[:1]
 
         def copy():
             for dt, region in src.items():

@@ -27,7 +27,7 @@ checked on the CPU".
 """
 
 import contextlib
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -54,9 +54,14 @@ def _merge(into: Dict[str, int], other: Dict[str, int]):
             into[s] = n
 
 
-def key_of(t: torch.Tensor) -> Optional[int]:
-    """A buffer is known by its first byte (None: an empty tensor, which nothing can race on)."""
-    return t.data_ptr() if t.numel() else None
+def key_of(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    """A buffer is known by its allocation and its bytes in it, (allocation, first, end): views that
+    share bytes are one buffer where they overlap (a staging slot and the places packed in it).
+    None: an empty tensor, which nothing can race on."""
+    if not t.numel():
+        return None
+    first = t.data_ptr()
+    return t.untyped_storage().data_ptr(), first, first + t.numel() * t.element_size()
 
 
 class StreamOrder:
@@ -65,8 +70,9 @@ class StreamOrder:
     def __init__(self):
         self.clocks: Dict[str, Dict[str, int]] = {s: {} for s in STREAMS}
         self._current = ["compute"]
-        # buffer key -> [label, last write (stream, position) or None, {stream: position of its last read since}]
-        self._buffers: Dict[int, list] = {}
+        # allocation -> its buffers (byte ranges), each [label, last write (stream, position) or None,
+        # {stream: position of its last read since}, first, end]
+        self._buffers: Dict[int, List[list]] = {}
         self.accesses = 0  # accesses checked
         self.violations = 0
         self.first = []  # the first KEEP violations, described
@@ -105,54 +111,77 @@ class StreamOrder:
         """``stream`` (the current one) goes on only after everything queued on ``waited`` so far."""
         _merge(self.clocks[stream or self.current], self.clocks[waited])
 
+    def _overlapping(self, key) -> List[list]:
+        base, first, end = key
+        return [rec for rec in self._buffers.get(base, ()) if rec[3] < end and first < rec[4]]
+
+    def _record(self, key, label: str) -> list:
+        """The record of exactly ``key``'s bytes (made if there is none)."""
+        base, first, end = key
+        recs = self._buffers.setdefault(base, [])
+        for rec in recs:
+            if rec[3] == first and rec[4] == end:
+                return rec
+        rec = [label, None, {}, first, end]
+        recs.append(rec)
+        return rec
+
     def name(self, t: torch.Tensor, label: str):
         """Give ``t``'s buffer a name for the violations' descriptions (before its first access)."""
         k = key_of(t)
-        if k is not None and k not in self._buffers:
-            self._buffers[k] = [label, None, {}]
+        if k is not None:
+            self._record(k, label)
 
     def fresh(self, t: torch.Tensor, label: str, stream: str = None):
         """A new allocation in ``t``: written now by ``stream`` (whatever was known of the address before
         is forgotten; a copy into it waits for the allocation's event)."""
         k = key_of(t)
         if k is not None:
+            self.forget(k)
             stream = stream or self.current
-            self._buffers[k] = [label, (stream, self._tick(stream)[stream]), {}]
+            self._record(k, label)[1] = (stream, self._tick(stream)[stream])
 
     def forget(self, t_or_key):
         """The buffer is gone (its block went back to the allocator)."""
-        self._buffers.pop(t_or_key if isinstance(t_or_key, int) else key_of(t_or_key), None)
+        k = t_or_key if isinstance(t_or_key, tuple) else key_of(t_or_key)
+        if k is not None:
+            gone = self._overlapping(k)
+            self._buffers[k[0]] = [rec for rec in self._buffers.get(k[0], ()) if all(rec is not g for g in gone)]
 
     def forget_reads(self, t: torch.Tensor, stream: str):
         """``stream``'s reads of ``t`` so far no longer count (their results were thrown away)."""
-        rec = self._buffers.get(key_of(t))
-        if rec is not None:
+        k = key_of(t)
+        for rec in self._overlapping(k) if k is not None else ():
             rec[2].pop(stream, None)
 
     def access(self, t_or_key, write: bool, stream: str = None, label: str = "a buffer") -> bool:
         """``stream`` (the current one) reads or writes the buffer now; returns whether that is ordered
-        after the accesses it must follow (if not, the violation is counted and described)."""
-        k = t_or_key if isinstance(t_or_key, int) else key_of(t_or_key)
+        after the accesses it must follow, to any buffer sharing bytes with it (if not, the violation
+        is counted and described)."""
+        k = t_or_key if isinstance(t_or_key, tuple) or t_or_key is None else key_of(t_or_key)
         if k is None:
             return True
         stream = stream or self.current
         clock = self._tick(stream)
-        rec = self._buffers.setdefault(k, [label, None, {}])
         self.accesses += 1
-        before = [("write", rec[1])] if rec[1] is not None else []
-        if write:
-            before += [("read", r) for r in rec[2].items()]
-        unordered = [(kind, s, n) for kind, (s, n) in before if clock.get(s, 0) < n]
-        for kind, s, n in unordered:
-            self.violations += 1
-            if len(self.first) < KEEP:
-                self.first.append(f"{stream} {'writes' if write else 'reads'} {rec[0]} (at {k:#x}) unordered after "
-                                  f"{s}'s {kind} #{n} ({stream} has waited for {s} up to #{clock.get(s, 0)})")
+        ordered = True
+        for rec in self._overlapping(k) or [self._record(k, label)]:
+            before = [("write", rec[1])] if rec[1] is not None else []
+            if write:
+                before += [("read", r) for r in rec[2].items()]
+            unordered = [(kind, s, n) for kind, (s, n) in before if clock.get(s, 0) < n]
+            for kind, s, n in unordered:
+                self.violations += 1
+                if len(self.first) < KEEP:
+                    self.first.append(f"{stream} {'writes' if write else 'reads'} {rec[0]} (at {k[1]:#x}) unordered "
+                                      f"after {s}'s {kind} #{n} ({stream} has waited for {s} up to #{clock.get(s, 0)})")
+            ordered = ordered and not unordered
+        rec = self._record(k, next((r[0] for r in self._overlapping(k) if r[3] == k[1] and r[4] == k[2]), label))
         if write:
             rec[1], rec[2] = (stream, clock[stream]), {}
         else:
             rec[2][stream] = clock[stream]
-        return not unordered
+        return ordered
 
 
 # ---------------------------------------------------------------------- DeepSpeed's own work on the streams

@@ -152,8 +152,10 @@ def test_speculation_parity(case_runs, case):
             # the cap bound, and was reached (a load with a device copy to come needs about twice its bytes)
             slack = (3 if "from_device" in name else 1) * max(ours["handle"]["nbytes"])
             assert cap - slack < held <= cap, (held, cap)
-            # what the cap left out streams in the step: its first two loaded as the step began
-            assert [s["loaded_at_entry"] for s in per_step] == [2] * len(per_step), per_step
+            # what the cap left out streams in the step: its first ones loaded as the step began, as
+            # many as the slots take (sub-groups smaller than the largest pack several to a slot)
+            at_entry = [s["loaded_at_entry"] for s in per_step]
+            assert min(at_entry) >= 2 and max(at_entry) > 2, at_entry
         elif case == "reentrant_tied":
             # the tied layer's two sub-groups (weight, bias), updated before their second reduction in
             # the second step, are discarded alone and do not speculate again; the other updates commit

@@ -13,7 +13,8 @@ import torch
 
 from deepspeed_offload.runtime.copies import SyncCopies, make_copies
 from deepspeed_offload.runtime.host_store import MASTER, HostStore
-from deepspeed_offload.runtime.residency import LEGAL, IllegalTransition, Phase, Residency, ResidencyTable
+from deepspeed_offload.runtime.residency import (LEGAL, PLACE_ALIGN, IllegalTransition, Phase, Residency,
+                                                 ResidencyTable, pack)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from deferred_copies import DeferredCopies  # noqa: E402
@@ -69,13 +70,16 @@ class RecordingCopies(SyncCopies):
         self.waits.append(("host", [event]))
 
 
-def make_table(copies=None, groups=3, numel=4):
-    layout = {i: [(MASTER, torch.float32, numel), ("exp_avg", torch.float32, numel)] for i in range(groups)}
+def make_table(copies=None, groups=3, numel=4, sizes=None, per_slot=1):
+    """``groups`` sub-groups of two tensors of ``numel`` (``sizes``: each one's), a slot for ``per_slot``
+    of the largest."""
+    sizes = sizes or [numel] * groups
+    layout = {i: [(MASTER, torch.float32, n), ("exp_avg", torch.float32, n)] for i, n in enumerate(sizes)}
     store = HostStore(layout, pin_memory=False)
-    for i in range(groups):
+    for i in range(len(sizes)):
         store.region(i, torch.float32).fill_(float(i))
-    slot_numel = {torch.float32: 2 * numel}
-    return ResidencyTable(store, copies or RecordingCopies(), range(groups), slot_numel)
+    slot_numel = {torch.float32: 2 * max(sizes) * per_slot}
+    return ResidencyTable(store, copies or RecordingCopies(), range(len(sizes)), slot_numel)
 
 
 def test_every_legal_transition_and_nothing_else():
@@ -133,8 +137,8 @@ def test_own_buffers_round_trip_and_what_each_copy_waits_for():
     t = make_table(copies)
     nbytes, _ = t.load(1)
     assert nbytes == 2 * 4 * 4 and t[1].phase is P.LOADING and t[1].slot is None
-    # into buffers of its own: after the compute work queued before their allocation; no earlier write-back
-    assert [repr(e) for e in copies.waits[-1][1]] == ["alloc1", "None"] and copies.waits[-1][0] == "h2d2"
+    # into buffers of its own: no earlier write-back; after the compute work queued before their allocation
+    assert [repr(e) for e in copies.waits[-1][1]] == ["None", "alloc1"] and copies.waits[-1][0] == "h2d2"
     t.arrive(1)
     assert copies.waits[-1] == ("compute", [t[1].loaded]) and t[1].phase is P.ON_DEVICE
     t.view(1, "exp_avg").add_(10)  # the "update"
@@ -146,7 +150,7 @@ def test_own_buffers_round_trip_and_what_each_copy_waits_for():
     assert t.store.view(1, "exp_avg").tolist() == [11.0] * 4 and t.store.view(1, MASTER).tolist() == [1.0] * 4
     # the next load of the same sub-group waits for its own write-back
     t.load(1)
-    assert copies.waits[-1][1][1] is written
+    assert copies.waits[-1][1][0] is written
     t.release(1)
     assert t[1].phase is P.ON_HOST and t[1].buffers is None
 
@@ -154,16 +158,21 @@ def test_own_buffers_round_trip_and_what_each_copy_waits_for():
 def test_slots_wait_for_their_previous_write_back():
     copies = RecordingCopies()
     t = make_table(copies)
-    t.load(0, slot=0)
-    slot0_allocated = copies.waits[-1][1][0]
+    t.plan([0, 1, 2])  # each slot holds one sub-group (8 elements, regions of 8)
+    assert [t.places[i][0] for i in (0, 1, 2)] == [0, 1, 0]
+    t.load(0, staged=True)
+    slot0_allocated = copies.waits[-1][1][1]
     assert slot0_allocated.name.startswith("alloc") and t.slots is not None
+    assert not t.can_stage(2)  # sub-group 0 is in its place
+    with pytest.raises(IllegalTransition, match="sub-groups \\[0\\] are still in its place"):
+        t.load(2, staged=True)
     t.arrive(0)
     t.mark_updated(0)
     t.write_back(0)
     freed = t[0].written
-    assert t.slot_free[0] is freed
-    t.load(2, slot=0)  # another sub-group into the same slot: after sub-group 0 left it
-    assert copies.waits[-1][1] == [freed, None]
+    assert t.can_stage(2)
+    t.load(2, staged=True)  # another sub-group into the same place: after sub-group 0's write-back
+    assert copies.waits[-1][1] == [None, slot0_allocated, freed]
     t.arrive(2)
     assert t.view(2, MASTER).tolist() == [2.0] * 4  # the slot holds sub-group 2 now
     with pytest.raises(AssertionError, match="slots freed while sub-groups \\[2\\]"):
@@ -174,11 +183,60 @@ def test_slots_wait_for_their_previous_write_back():
     assert t.slots is None
 
 
+def test_smaller_sub_groups_pack_into_a_slot_and_wait_only_for_what_was_in_their_place():
+    """A slot holds the largest region: sub-group 0 fills slot 0, sub-groups 1-3 (a third of it each,
+    aligned) share slot 1, 4 and 5 go back to slot 0, each into a part of 0's place; 7 into 1's."""
+    copies = RecordingCopies()
+    big, small = 3 * PLACE_ALIGN, PLACE_ALIGN
+    t = make_table(copies, sizes=[big] + [small] * 7)
+    t.plan(list(range(8)))
+    f32 = torch.float32
+    assert {i: (s, o[f32]) for i, (s, o) in t.places.items()} == {
+        0: (0, 0), 1: (1, 0), 2: (1, 2 * small), 3: (1, 4 * small), 4: (0, 0), 5: (0, 2 * small),
+        6: (0, 4 * small), 7: (1, 0)}
+    assert pack([0, 1, 2], t.store.region_numel, t.slot_numel) == {i: t.places[i] for i in (0, 1, 2)}  # a prefix's
+    for i in range(4):
+        t.load(i, staged=True)
+    ready = [copies.waits[0][1][1], copies.waits[1][1][1]]  # each slot's allocation
+    assert not t.can_stage(4) and not t.can_stage(7)
+    for i in range(4):
+        t.arrive(i)
+        t.view(i, "exp_avg").add_(10)
+        t.mark_updated(i)
+    t.write_back(0)
+    assert t.can_stage(4) and t.can_stage(5) and t.can_stage(6) and not t.can_stage(7)
+    t.load(4, staged=True)
+    assert copies.waits[-1][1] == [None, ready[0], t[0].written]  # what was in its place
+    t.write_back(1)
+    t.load(7, staged=True)
+    assert copies.waits[-1][1] == [None, ready[1], t[1].written]  # 1's place, not 2's or 3's
+    t.arrive(4)
+    t.arrive(7)
+    assert t.view(4, MASTER).tolist() == [4.0] * small and t.view(7, MASTER).tolist() == [7.0] * small
+    for i in (2, 3):
+        t.write_back(i)
+    t.drain()
+    assert [t.store.view(i, "exp_avg")[0].item() for i in range(4)] == [10.0, 11.0, 12.0, 13.0]
+    t.release_loaded()
+    t.free_slots()
+
+
+def test_a_prefetched_sub_group_must_be_where_the_step_plans_it():
+    t = make_table(numel=PLACE_ALIGN // 2, per_slot=2)  # two to a slot
+    t.plan([0, 1])
+    t.load(1, staged=True)  # (0 not loaded)
+    assert t.places[1][0] == 0
+    with pytest.raises(IllegalTransition, match="sub-groups \\[1\\] are in a slot where this step"):
+        t.plan([1, 2])  # the step's order puts 1 first: the same slot, at another offset
+    t.plan([0, 1, 2])
+
+
 def test_release_keeps_the_host_copy_and_drain_waits_for_every_write_back():
     copies = RecordingCopies()
     t = make_table(copies)
     t.load(0)
-    t.load(1, slot=1)
+    t.plan([1])
+    t.load(1, staged=True)
     t.arrive(1)
     t.view(1, MASTER).fill_(-1)  # changed on the device, never marked updated: dropped
     assert sorted(t.release_loaded()) == [0, 1]
@@ -197,7 +255,8 @@ def test_release_keeps_the_host_copy_and_drain_waits_for_every_write_back():
 
 def test_early_bytes_count_own_buffers_only():
     t = make_table()
-    t.load(0, slot=0)
+    t.plan([0])
+    t.load(0, staged=True)
     t.load(1)
     t.load(2)
     assert t.early_bytes == 2 * t.store_bytes(1)
@@ -272,7 +331,7 @@ def test_the_cpu_accelerator_gets_the_synchronous_executor():
 # Each wait the table passes, and how the negative control drops it (from the executor's side: each
 # verb passes exactly these, so this is the wait removed from residency.py).
 DROPS = {
-    "ready": "a load's wait for its destination (new buffers' allocation, a slot's last write-back)",
+    "ready": "a load's wait for its destination (new buffers' allocation, a place's last write-backs)",
     "written": "a load's wait for the sub-group's own previous write-back",
     "loaded": "arrive's wait for the load",
     "updated": "a write-back's wait for the update",
@@ -282,9 +341,9 @@ DROPS = {
 
 def _dropping(copies, wait):
     """``copies`` with the table's wait ``wait`` (a key of DROPS) ignored."""
-    if wait in ("ready", "written"):
-        h2d, k = copies.h2d, 0 if wait == "ready" else 1
-        copies.h2d = lambda dst, src, waits: h2d(dst, src, [w for j, w in enumerate(waits) if j != k])
+    if wait in ("ready", "written"):  # (the table passes the sub-group's own write-back first)
+        h2d, keep = copies.h2d, (lambda j: j == 0) if wait == "ready" else (lambda j: j != 0)
+        copies.h2d = lambda dst, src, waits: h2d(dst, src, [w for j, w in enumerate(waits) if keep(j)])
     elif wait == "updated":
         d2h = copies.d2h
         copies.d2h = lambda dst, src, waits: d2h(dst, src, ())
@@ -309,13 +368,14 @@ def _ordered_step(t):
         t.write_back(i)
 
     t.load(0)
-    t.load(1, slot=0)
-    t.load(2, slot=1)
+    t.plan([1, 2, 3])
+    t.load(1, staged=True)
+    t.load(2, staged=True)
     update(0)
     t.load(0)  # WRITING_BACK -> LOADING: reads what the write-back above writes
     update(0)
     update(1)
-    t.load(3, slot=0)
+    t.load(3, staged=True)
     update(2)
     update(3)
     t.free_slots()
@@ -425,7 +485,7 @@ def test_gpu_a_load_waits_for_its_own_previous_write_back(control):
     t = _gpu_table()
     if control:
         real = t.copies.h2d
-        t.copies.h2d = lambda dst, src, waits: real(dst, src, tuple(waits)[:1])
+        t.copies.h2d = lambda dst, src, waits: real(dst, src, tuple(waits)[1:])  # (its own write-back is first)
     t.load(1)
     t.arrive(1)
     _update(t, 1)
@@ -451,13 +511,15 @@ def test_gpu_a_slot_is_reloaded_only_after_its_write_back(control):
     t = _gpu_table()
     if control:
         _without_waits(t)
-    t.load(0, slot=0)
+    t.plan([0])
+    t.load(0, staged=True)
     t.arrive(0)
     _update(t, 0)
     with torch.cuda.stream(t.copies.d2h_stream):
         torch.cuda._sleep(SPIN)  # the write-back below lands late
     t.write_back(0)  # D2H from slot 0
-    t.load(1, slot=0)  # must not overwrite slot 0 before that D2H has read it
+    t.plan([1])  # 0's place
+    t.load(1, staged=True)  # must not overwrite slot 0 before that D2H has read it
     t.arrive(1)
     torch.cuda.synchronize()
     t.drain()
