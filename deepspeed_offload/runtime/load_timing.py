@@ -161,7 +161,7 @@ class LoadTiming:
 
     def step_begins(self) -> bool:
         """DeepSpeed's step begins, before it computes the gradient norm (``StreamMode.step_entered``;
-        its first sub-group calls this again, a no-op then). Returns whether the step's first two
+        its first sub-group calls this again, a no-op then). Returns whether the step's first
         streamed sub-groups may load into the slots now, beside the norm's work (``prefetch``): after
         a measurement, always (from here on the measured step's figure counts the slots, so the
         allowances kept room for them); else if the peak seen so far plus both slots fits in

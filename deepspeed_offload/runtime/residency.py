@@ -36,8 +36,9 @@ smaller sub-groups pack several to a slot (``pack``): the step's sub-groups go i
 order, each right after the one before it while it fits, else at the start of the other slot. A
 load may go into its place once every sub-group that was there before has been sent out (its
 write-back queued: the load waits for it on the device, not on the CPU); so with sub-groups a third
-of a slot, up to six are loading, updated or writing back at once instead of two. The DeepSpeed tensors' ``.data`` rebinding is not done here:
-the streamed step (``runtime/stream.py``) points them at ``view(i, key)`` or at the host store.
+of a slot, up to six are loading, updated or writing back at once instead of two. The DeepSpeed
+tensors' ``.data`` rebinding is not done here: the streamed step (``runtime/stream.py``) points them
+at ``view(i, key)`` or at the host store.
 """
 
 import enum
@@ -190,16 +191,14 @@ class ResidencyTable:
         if staged:
             if self.slots is None:
                 self._allocate_slots()
-            slot, offsets = place = self.places[i]
-            numel = self.store.region_numel(i)
-            extent = {dt: (offsets[dt], offsets[dt] + n) for dt, n in numel.items()}
+            slot, offsets, numel, extent = self._place(i)
             before = [o for o in self._occupants[slot] if o.overlaps(extent)]
             busy = [o.sub_group for o in before if o.active]
             if busy:
                 raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot load into slot {slot}: "
                                         f"sub-groups {busy} are still in its place")
             r.move(Phase.LOADING)
-            occupant = _Occupant(i, place, extent)
+            occupant = _Occupant(i, (slot, offsets), extent)
             # (one wholly inside the new place is covered by it: the next load there waits for this one)
             self._occupants[slot] = [o for o in self._occupants[slot] if not o.within(extent)] + [occupant]
             self._in_slot[i] = occupant
@@ -329,10 +328,15 @@ class ResidencyTable:
                                     "does not expect them")
         self.places = places
 
+    def _place(self, i: int):
+        """Sub-group ``i``'s place (``plan``): its slot, offsets, numel and element ranges per dtype."""
+        slot, offsets = self.places[i]
+        numel = self.store.region_numel(i)
+        return slot, offsets, numel, {dt: (offsets[dt], offsets[dt] + n) for dt, n in numel.items()}
+
     def can_stage(self, i: int) -> bool:
         """Whether sub-group ``i``'s place (``plan``) holds no sub-group now: it may load there."""
-        slot, offsets = self.places[i]
-        extent = {dt: (offsets[dt], offsets[dt] + n) for dt, n in self.store.region_numel(i).items()}
+        slot, _, _, extent = self._place(i)
         return not any(o.active and o.overlaps(extent) for o in self._occupants[slot])
 
     def _allocate_slots(self):

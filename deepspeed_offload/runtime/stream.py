@@ -35,7 +35,8 @@ One iteration, with ``overlap`` on (the default)::
     after:      ``between_steps``: the measured plan may keep more sub-groups resident (``_place``).
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first sub-groups into
-the two slots, as many as they take. DeepSpeed's tensor objects never change; only their ``.data`` moves (state_tensors.py).
+the two slots, as many as they take. DeepSpeed's tensor objects never change; only their ``.data``
+moves (state_tensors.py).
 Nothing in the loop synchronizes the device; a load waits for the sub-group's previous write-back,
 and anything on the CPU that reads host state (a checkpoint, ``safe_get_full_*``) waits for every
 write-back first (``synchronize_for_checkpoint``). Attach is one transaction (``attach.py``): a
@@ -90,7 +91,6 @@ class StreamMode:
         self._next_early = 0  # position in self._early_order of the next sub-group to load early
         self._early_order: List[int] = self.order  # members in the order they speculate, then step order
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
-        self._position: Dict[int, int] = {}  # sub-group -> its index in self._streamed
         self._next_staged = 0  # index in self._streamed of the next one to load
         self._update_start, self._in_step, self.steps = None, False, 0
         self.released_unused = 0  # sub-groups loaded ahead of a step that did not run, given back
@@ -254,8 +254,8 @@ class StreamMode:
 
     def step_entered(self):
         """DeepSpeed's ``step()`` begins. Before it asks for the first sub-group it computes the
-        gradient norm and waits for it on the CPU; the first two sub-groups the step streams load into
-        the slots now, beside that work, where ``LoadTiming.step_begins`` allows. With updates from
+        gradient norm and waits for it on the CPU; the first sub-groups the step streams load into
+        the slots now (as many as they take), beside that work, where ``LoadTiming.step_begins`` allows. With updates from
         backward the stream order depends on the norm (committed, they leave it; discarded, they
         stream): only the sub-groups first in both orders load now. Where backward prefetched into
         the slots already (compile mode may since keep what it put there), they stay as they are."""
@@ -280,7 +280,7 @@ class StreamMode:
             self._begin_step()
         if self.speculation is not None and self.speculation.commit(i):
             return False
-        if i in self._position:
+        if i in self.table.places:  # streamed through the slots
             self._stage_ahead()  # normally done already, as the sub-groups before it went out
             if not self.table[i].on_device:
                 raise RuntimeError(f"deepspeed-offload: sub-group {i}'s place in a slot is not free")
@@ -321,7 +321,6 @@ class StreamMode:
         for i in self.timing.load_at_step_start(lambda i: self.table[i].on_device):
             self._load(i, staged=False, early=False)
         self._streamed = self._stream_order()
-        self._position = {i: k for k, i in enumerate(self._streamed)}
         self.table.plan(self._streamed)
         self._next_staged = 0
         self._stage_ahead()  # the slots are free: fill them now
@@ -374,8 +373,8 @@ class StreamMode:
 
     def step_skipped(self):
         """A step DeepSpeed skipped (fp16 overflow, a non-finite gradient norm) never asked for what
-        backward (or its own entry) loaded: give those buffers back (the host copy is still the current one) and drop
-        the stats of what it loaded, so they do not count in the next step."""
+        backward (or its own entry) loaded: give those buffers back (the host copy is still the current
+        one) and drop the stats of what it loaded, so they do not count in the next step."""
         self.timing.step_skipped()
         self.discard_speculation("overflow")
         self._give_back_unused()
