@@ -9,13 +9,20 @@ all); each wrapper calls DeepSpeed's own method and, around it, one verb of the 
   and, with speculation, ``partition_grads`` and the backward's epilogue: gradients became final;
 - ``_prepare_sub_group`` / ``_release_sub_group`` (DeepSpeed's loop over the sub-groups in its step):
   a sub-group's state comes in, and goes back out;
-- ``step``: a step begins (before DeepSpeed's norm), and one that raised, was skipped, or ended (the
-  measured plan's moves, placement.py);
+- ``engine.forward``: the input's size, before the forward runs (the measured plan may give state
+  back first, when the input is larger than any it measured: placement.py);
+- ``step``: a step begins (before DeepSpeed's norm); ``_post_step``: DeepSpeed's loop over the
+  sub-groups is done; ``step`` returns or raises: the step closes (``step.py``: applied, skipped
+  or raised, as DeepSpeed decided), and everything between steps runs from there;
 - readers and writers of host state (``state_dict``, the ``_restore_*`` and ``set_*_hp_param``
   helpers, ``load_state_dict``) wait for the write-backs (and void speculated updates written over
   the host store); writers of gradients void speculation;
 - ``offload_states`` / ``reload_states`` (colocation.py), and the engine calls refused meanwhile.
 """
+
+import torch
+
+from .step import Outcome
 
 # Methods of the ZeRO-3 optimizer that read host state on the CPU: they wait for the write-backs.
 READERS = ("state_dict", "_get_fp32_opt_state_partition")
@@ -39,7 +46,9 @@ def install(mode):
     patch(opt, "load_state_dict",
           lambda orig: _around(mode, orig, writes=True, after=lambda: mode.tensors.after_load(mode.acc)))
     patch(opt, "step", lambda orig: _step(mode, orig))
+    patch(opt, "_post_step", lambda orig: _post_step(mode, orig))
     patch(engine, "_backward_prologue", lambda orig: _backward_prologue(mode, orig))
+    patch(engine, "forward", lambda orig: _forward(mode, orig))
     if mode.overlap:
         patch(opt, GRADIENT_HOOK, lambda orig: _gradient_ready(mode, orig))
     if mode.speculation is not None:
@@ -84,7 +93,7 @@ def _backward_prologue(mode, orig):
 
     def backward_prologue(*args, **kwargs):
         mode.colocation.refuse_if_offloaded("backward()")
-        mode.backward_begins()
+        mode.lifecycle.backward_begins()
         return orig(*args, **kwargs)
 
     return backward_prologue
@@ -121,23 +130,52 @@ def _epilogue(mode, orig):
     return epilogue
 
 
+def _forward(mode, orig):
+
+    def forward(*args, **kwargs):
+        if torch.is_grad_enabled():  # a training forward: its input sizes the iteration
+            mode.forward_begins(input_numel(args, kwargs))
+        return orig(*args, **kwargs)
+
+    return forward
+
+
+def input_numel(args, kwargs) -> int:
+    """The size of a forward's input: the elements of its largest tensor (``input_ids`` or ``labels``
+    of a language model, the batch of anything else), one level into lists, tuples and dicts."""
+    best = 0
+    for value in list(args) + list(kwargs.values()):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value, )
+        for item in items:
+            if torch.is_tensor(item):
+                best = max(best, item.numel())
+    return best
+
+
 def _step(mode, orig):
 
     def step(*args, **kwargs):
-        steps = mode.steps
+        lifecycle = mode.lifecycle
         try:
-            mode.step_entered()
+            lifecycle.step_entered()
             result = orig(*args, **kwargs)
         except BaseException:
-            mode.abort_step()
+            lifecycle.close(Outcome.RAISED)
             raise
-        if mode.steps == steps:
-            mode.step_skipped()
-        else:
-            mode.between_steps()
+        # DeepSpeed's decision: its loop ran (``_post_step``) or it returned before (overflow)
+        lifecycle.close(Outcome.SKIPPED if getattr(mode.opt, "overflow", False) else Outcome.APPLIED)
         return result
 
     return step
+
+
+def _post_step(mode, orig):
+
+    def post_step(*args, **kwargs):
+        mode.lifecycle.updates_done()
+        return orig(*args, **kwargs)
+
+    return post_step
 
 
 def _around(mode, fn, writes=False, after=None):

@@ -32,6 +32,7 @@ in the first two iterations.
 """
 
 import os
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -40,11 +41,15 @@ from deepspeed.utils import log_dist
 from ..errors import BLOCK, ConfigError
 from ..estimate import STATE_BYTES_PER_PARAM
 from ..host_memory import HostMemory, format_bytes
+from .iteration_memory import IterationMemory
 
 GiB = 2**30
 # Device memory the measured plan leaves free below the limit: the larger of this share and this size.
 MARGIN_SHARE = 0.03
 MARGIN_MIN = 1 * GiB
+# Steps whose largest input the measured plan keeps room for: inputs shrink for this long before
+# the state they made room for comes back.
+RECENT_STEPS = 32
 
 
 # ---------------------------------------------------------------------------------------------- at attach
@@ -215,17 +220,23 @@ class MeasuredPlan:
     measured_peak: Optional[int] = None  # the last measurement's reserved peak
     iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
     give_backs: int = 0  # iterations after which state went back to the host
+    take_backs: int = 0  # times the largest recent input shrank below the one the plan was made for
+    # what an iteration needs beside the state, by input size (iteration_memory.py)
+    memory: IterationMemory = field(default_factory=IterationMemory)
+    planned_numel: int = 0  # the largest input the placement was made for (0: the measured one's)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # the last steps' inputs
     _measurements_seen: int = 0
 
     def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
-                          resident_bytes: int = 0) -> Tuple[List[int], List[int]]:
+                          resident_bytes: int = 0, extra: int = 0) -> Tuple[List[int], List[int]]:
         """The measured iteration reserved ``peak_reserved`` with ``streamed`` (step order) offloaded and
-        ``resident_bytes`` of state resident: (sub-groups to make resident, a prefix of ``streamed``
-        that fits below the limit less the margin; sub-groups to give back, the last made resident
-        first, where the peak is above it)."""
+        ``resident_bytes`` of state resident; ``extra``: what the largest recent input needs beyond the
+        measured one. (Sub-groups to make resident, a prefix of ``streamed`` that fits below the limit
+        less the margin and ``extra``; sub-groups to give back, the last made resident first, where the
+        peak is above it.)"""
         self.measured_peak = peak_reserved
         self.iteration = peak_reserved - resident_bytes
-        room = self.limit - self.margin - peak_reserved
+        room = self.limit - self.margin - peak_reserved - extra
         if room < 0:
             return [], self._give_back(-room, nbytes)
         out, held = [], 0
@@ -237,24 +248,67 @@ class MeasuredPlan:
         self.promoted += out
         return out, []
 
-    def between_steps(self, mode) -> Optional[int]:
-        """After a step of ``mode`` (stream mode): read a new measurement, or the memory the iteration
-        reserved, and return how many of the first sub-groups should be resident from now on (None:
-        as they are). Giving state back empties the device's cache and asks for a measurement."""
+    def between_steps(self, mode, step) -> Optional[int]:
+        """After ``step`` of ``mode`` (stream mode) was applied: learn what it needed beside the state,
+        read a new measurement, or the memory the iteration reserved, and return how many of the first
+        sub-groups should be resident from now on (None: as they are). Giving state back empties the
+        device's cache and asks for a measurement; so does the largest recent input shrinking below the
+        one the placement was made for (the state may come back)."""
         probe, resident = mode.probe, len(mode.resident)
+        resident_bytes = probe.resident_bytes(resident)
+        numel = step.input_numel
+        if numel and mode.forward_level is not None:
+            self.memory.add(numel, mode.forward_level - resident_bytes, mode.memory.window_peak() - mode.forward_level)
+            self.recent.append(numel)
+        planning = max(self.recent, default=0)
         measured = mode.timing.measurements > self._measurements_seen
         if measured:
             self._measurements_seen = mode.timing.measurements
+            extra = max(0, (self.memory.predict(planning) or 0) - (self.memory.predict(numel) or 0)) if numel else 0
             promote, give_back = self.after_measurement(mode.timing.peak_reserved, mode.order, probe.nbytes,
-                                                        probe.resident_bytes(resident))
+                                                        resident_bytes, extra)
+            self.planned_numel = max(planning, numel)
         else:
-            promote, give_back = [], self.after_step(mode.acc.memory_reserved(), probe.nbytes)
+            promote, give_back = [], self.after_step(mode.memory.memory_reserved(), probe.nbytes)
+            if planning and planning < self.planned_numel and not mode.timing.measuring:
+                # the large inputs left the window: measure again, and keep what the smaller ones leave room for
+                self.planned_numel = planning
+                self.take_backs += 1
+                mode.memory.empty_cache()  # the larger iterations' cached blocks would count in the measurement
+                mode.timing.remeasure()
         if give_back:
-            mode.acc.empty_cache()  # what goes back is the device's again
+            mode.memory.empty_cache()  # what goes back is the device's again
             mode.timing.remeasure()
         if measured or give_back:
             self._log(mode, resident + len(promote) - len(give_back))
         return resident + len(promote) - len(give_back) if promote or give_back else None
+
+    def before_forward(self, mode, numel: int) -> Optional[int]:
+        """A training forward is about to take an input of ``numel`` elements: if it is larger than the
+        placement was made for and the iteration it predicts (``IterationMemory``) would not fit below
+        the limit less the margin beside the resident state, how many of the first sub-groups stay
+        resident (the ones this plan made resident go back, last first, as many as needed); None: as
+        they are."""
+        if numel <= self.planned_numel:
+            return None
+        need = self.memory.predict(numel)
+        self.planned_numel = numel
+        if need is None:
+            return None
+        resident = len(mode.resident)
+        excess = need + mode.probe.resident_bytes(resident) - (self.limit - self.margin)
+        if excess <= 0:
+            return None
+        out = self._give_back(excess, mode.probe.nbytes)
+        if not out:
+            return None
+        self.give_backs += 1
+        mode.timing.remeasure()  # the allowances were for smaller iterations
+        log_dist(f"[deepspeed-offload] measured plan: an input of {numel:,} elements (the largest so far) needs "
+                 f"about {format_bytes(need)} beside the state; {len(out)} sub-groups "
+                 f"({format_bytes(sum(mode.probe.nbytes(i) for i in out))}) go back to the host before its "
+                 f"forward, {resident - len(out)} stay resident", ranks=[0])
+        return resident - len(out)
 
     def _log(self, mode, resident: int):
         limit = "max_device_memory_gb" if mode.cfg.max_device_memory_gb is not None else \

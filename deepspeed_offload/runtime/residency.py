@@ -289,8 +289,15 @@ class ResidencyTable:
         ended yet (the caching allocator hands their blocks out again only after it, so memory taken
         meanwhile is new memory: counting them keeps early loads within the peak in memory reserved
         as well as allocated). Asks the copies' events without waiting for them."""
-        self._in_flight = [(ev, n) for ev, n in self._in_flight if not self.copies.done(ev)]
+        self.prune_in_flight()
         return self.early_bytes + sum(n for _, n in self._in_flight)
+
+    def prune_in_flight(self) -> int:
+        """Forget the dropped buffers whose copies have ended (asked without waiting): once per step
+        (``StepLifecycle.close``) and at every ``held_early``, so the list holds one step's copies at most.
+        Returns how many are left."""
+        self._in_flight = [(ev, n) for ev, n in self._in_flight if not self.copies.done(ev)]
+        return len(self._in_flight)
 
     def release_loaded(self) -> List[int]:
         """Release every sub-group that is loading or loaded but not updated; returns them. (One

@@ -62,11 +62,8 @@ class Speculation:
         self.mode = mode
         self.opt = mode.opt
         self.base = mode.opt.optimizer
-        self.members = frozenset(members)
-        self.group_of = {p.ds_id: i for i, params in enumerate(self.opt.fp16_groups) if i in self.members
-                         for p in params}
-        self.needed = {i: sum(bool(p.requires_grad) for p in self.opt.fp16_groups[i]) for i in self.members}
-        self.load_order: List[int] = sorted(self.members, reverse=True)  # learned: the order they became final
+        self.load_order: List[int] = []  # learned: the order they became final
+        self.set_members(members)
         self.counters = Counters()
         self.backoff = Backoff()
         self.force_commit = False  # tests only: commit without the norm check (the negative control)
@@ -81,17 +78,20 @@ class Speculation:
         self.reduced_again: set = set()
         # the fp32 gradient every update of a backward builds its sub-group's into (``_grad_buffer``)
         self._grad = None
+
+    def set_members(self, members):
+        """The sub-groups that speculate: every offloaded one (at attach, and each time the measured plan
+        moves state: those made resident leave, those given back join again, with the second region
+        the store kept for them). Between steps, with nothing speculated."""
+        self.members = frozenset(members)
+        self.group_of = {p.ds_id: i for i, params in enumerate(self.opt.fp16_groups) if i in self.members
+                         for p in params}
+        self.needed = {i: sum(bool(p.requires_grad) for p in self.opt.fp16_groups[i]) for i in self.members}
+        known = [i for i in self.load_order if i in self.members]  # the order learned, then the new ones
+        self.load_order = known + sorted(self.members - set(known), reverse=True)
         masters = [self.opt.fp32_partitioned_groups_flat[i] for i in self.members]
         self._grad_numel = max((m.numel() for m in masters), default=0)
         self._grad_bytes = max((m.numel() * m.element_size() for m in masters), default=0)
-
-    def keep_members(self, offloaded):
-        """The measured plan made some sub-groups resident: they speculate no more (their second regions
-        stay unused). Between steps, with nothing speculated."""
-        self.members = frozenset(i for i in self.members if i in set(offloaded))
-        self.group_of = {k: i for k, i in self.group_of.items() if i in self.members}
-        self.needed = {i: n for i, n in self.needed.items() if i in self.members}
-        self.load_order = [i for i in self.load_order if i in self.members]
 
     def overwrote_host(self) -> bool:
         """Some update waiting for the norm was written over its current host region."""

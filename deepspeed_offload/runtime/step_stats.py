@@ -16,6 +16,10 @@ class StepStats:
         self.bytes_d2h = 0
         self.sub_groups = 0  # sub-groups the step updated (the ones it committed from backward are not)
         self.offloaded = 0  # sub-groups offloaded in this step
+        self.resident = 0  # sub-groups whose state stayed on the device
+        self.step_s = None  # seconds in DeepSpeed's step(), to its outcome (StepLifecycle)
+        self.iteration_s = None  # ... from the step's first backward
+        self.input_numel = 0  # the largest forward input of the step, in elements (0: not seen)
         self.loaded_early = 0  # sub-groups loaded before the step (in backward)
         self.loaded_in_step = 0
         self.loaded_at_entry = 0  # ... of them, loaded as DeepSpeed's step began, before its norm
@@ -30,6 +34,8 @@ class StepStats:
 
     def resolve(self) -> Dict[str, float]:
         out = {"bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "sub_groups": self.sub_groups, "offloaded": self.offloaded,
+               "resident": self.resident, "step_s": self.step_s, "iteration_s": self.iteration_s,
+               "input_numel": self.input_numel,
                "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step,
                "loaded_at_entry": self.loaded_at_entry,
                "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded}

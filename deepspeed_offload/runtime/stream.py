@@ -60,12 +60,14 @@ from .colocation import StateOffload
 from .copies import make_copies
 from .host_store import HostStore
 from .layout import Probe, probe_layout
+from .iteration_memory import DeviceMemory
 from .load_timing import LoadTiming
 from .patches import PatchRegistry
 from .placement import MeasuredPlan, device_limit, margin_bytes
 from .residency import Phase, ResidencyTable
 from .speculation import Speculation, choose_members
 from .state_tensors import StateTensors
+from .step import Step, StepLifecycle
 from .step_stats import StepStats
 
 
@@ -92,7 +94,8 @@ class StreamMode:
         self._early_order: List[int] = self.order  # members in the order they speculate, then step order
         self._streamed: List[int] = []  # this step's sub-groups that go through the slots, in order
         self._next_staged = 0  # index in self._streamed of the next one to load
-        self._update_start, self._in_step, self.steps = None, False, 0
+        self._update_start, self._in_step = None, False
+        self.lifecycle = StepLifecycle(self)  # the one place a step ends (step.py)
         self.released_unused = 0  # sub-groups loaded ahead of a step that did not run, given back
         self.stats: Optional[StepStats] = None
         self.last_stats: Optional[StepStats] = None
@@ -119,14 +122,15 @@ class StreamMode:
         self.store = HostStore(self.layout.entries, cfg.pin_memory, twins=twins, check_host=False)
         fault_point("pinning")
         self.table = ResidencyTable(self.store, self.copies, self.order, self.layout.slot_numel)
-        self.timing = LoadTiming(self.acc, self.copies.synchronous, self.slot_bytes,
+        self.memory = DeviceMemory(self.acc)
+        self.forward_level: Optional[int] = None  # allocated as this step's first forward began
+        self.timing = LoadTiming(self.memory, self.copies.synchronous, self.slot_bytes,
                                  early_in_backward=cfg.overlap and early_in_backward, prefetch=cfg.prefetch,
                                  early_cap=None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30))
         # The measured plan (budget derived, a device with memory of its own): it needs the measurement.
         self.plan = None
         if placement.host_first and not self.copies.synchronous and early_in_backward:
-            limit = device_limit(self.acc, cfg.max_device_memory_gb)
-            self.plan, self.timing.measure_always = MeasuredPlan(limit=limit, margin=margin_bytes(limit)), True
+            self.measure_with(self.memory)
         self.tensors = StateTensors(self.opt, self.store, self.order)
         self.speculation = Speculation(self, members) if members else None
         self.colocation = StateOffload(self)
@@ -139,6 +143,15 @@ class StreamMode:
             self.checkpointer = AsyncCheckpointer(self.engine, self.store.buffers.values(), self._checkpoint_patches,
                                                   aside_bytes=placement.aside_budget and self.store.side_bytes(ALIGN))
         fault_point("patching")
+
+    def measure_with(self, memory: DeviceMemory):
+        """Place by measurement (``MeasuredPlan``), reading the device's memory through ``memory`` (tests
+        on the CPU accelerator give one whose figures they script: the plan and the load policy then
+        decide as on a device with memory of its own)."""
+        self.memory = self.timing.acc = memory
+        self.timing.synchronous = False
+        limit = device_limit(memory, self.cfg.max_device_memory_gb)
+        self.plan, self.timing.measure_always = MeasuredPlan(limit=limit, margin=margin_bytes(limit)), True
 
     def undo_attach(self):
         """Attach failed (here, or on another rank once this one was built): every hook off, every
@@ -160,6 +173,11 @@ class StreamMode:
     def in_step(self) -> bool:
         return self._in_step
 
+    @property
+    def steps(self) -> int:
+        """Steps DeepSpeed applied since attach (``StepLifecycle``)."""
+        return self.lifecycle.applied
+
     def detach(self):
         """Undo attach: write everything back, point the optimizer's tensors at device copies of
         their state again, and remove every hook (the engine and optimizer methods are DeepSpeed's
@@ -176,6 +194,22 @@ class StreamMode:
         self.patches.remove_all()
         if getattr(self.engine, HANDLE_ATTR, None) is self:
             delattr(self.engine, HANDLE_ATTR)
+
+    # ------------------------------------------------------------------ forward: the input's size
+
+    def forward_begins(self, numel: int):
+        """A training forward begins with an input of ``numel`` elements (``hooks.input_numel``). The
+        step's first opens the window of its peak (``DeviceMemory``); where the measured plan expects the
+        iteration not to fit beside the resident state, state goes back to the host before it runs."""
+        first = self.lifecycle.current is None or not self.lifecycle.current.input_numel
+        if self.plan is not None and not self._in_step:
+            k = self.plan.before_forward(self, numel)
+            if k is not None:
+                self._place(k)
+                self.memory.empty_cache()  # what went back is the device's again
+            if first:
+                self.forward_level = self.memory.open_window()
+        self.lifecycle.forward_input(numel)
 
     # ------------------------------------------------------------------ backward: loads ahead of the step
 
@@ -259,6 +293,8 @@ class StreamMode:
         backward the stream order depends on the norm (committed, they leave it; discarded, they
         stream): only the sub-groups first in both orders load now. Where backward prefetched into
         the slots already (compile mode may since keep what it put there), they stay as they are."""
+        if self.stats is None:
+            self.stats = StepStats(self.copies)  # every step has its figures, offloaded sub-groups or not
         if self._in_step or not self.timing.step_begins() or self.table.in_slots():
             return
         updated = self.speculation.updated if self.speculation is not None else {}
@@ -293,12 +329,10 @@ class StreamMode:
 
     def send_out(self, i: int):
         """After DeepSpeed released sub-group ``i``: written back (unless its update was committed in
-        backward); the step ends at the last."""
+        backward)."""
         if self.speculation is None or not self.speculation.took(i):
             self._updated(i)
             self._stage_ahead()  # its place is free for the next sub-groups once its write-back ran
-        if i == self.order[-1]:
-            self._end_step()
 
     def _stream_order(self, committing=None) -> List[int]:
         """The sub-groups the step streams through the slots: all but those in buffers of their own
@@ -358,16 +392,24 @@ class StreamMode:
             stats.span("d2h", span)
         return nbytes
 
-    def _end_step(self):
+    def updates_done(self):
+        """DeepSpeed's loop over the sub-groups is over (``_post_step`` begins, which gathers the
+        persistent parameters from the 16-bit partitions: the commits' copies land before it)."""
         if self.speculation is not None:
             self.speculation.step_ends()
         self.table.free_slots()  # back to the allocator; record_stream holds the blocks until the copies end
         if not self.defer_write_back:
             self.table.drain()  # the step returns with every write-back landed: nothing held after it
         self._in_step = False
+
+    def step_applied(self, step: Step):
+        """DeepSpeed applied the step (``StepLifecycle.close``): its figures become ``step_stats()``."""
         self.timing.step_ends()
-        self.steps += 1
-        self.last_stats, self.stats = self.stats, None
+        stats = self.stats if self.stats is not None else StepStats(self.copies)
+        stats.offloaded = len(self.order)
+        stats.resident = len(self.resident)
+        stats.step_s, stats.iteration_s, stats.input_numel = step.step_s, step.iteration_s, step.input_numel
+        self.last_stats, self.stats = stats, None
 
     # ------------------------------------------------------------------ a step that did not run
 
@@ -407,12 +449,15 @@ class StreamMode:
 
     # ------------------------------------------------------------------ between steps
 
-    def between_steps(self):
-        """After a step that ran: the measured plan may change what stays resident (``_place``)."""
+    def between_steps(self, step: Step):
+        """After a step DeepSpeed applied (``StepLifecycle.close``): the measured plan may change what
+        stays resident (``_place``); copy events that landed are forgotten."""
         if self.plan is not None:
-            k = self.plan.between_steps(self)
+            k = self.plan.between_steps(self, step)
             if k is not None:
                 self._place(k)
+        self.forward_level = None
+        self.table.prune_in_flight()
 
     def _place(self, k: int):
         """From the next step on, the first ``k`` sub-groups keep their state on the device and the rest
@@ -445,7 +490,7 @@ class StreamMode:
         self.timing.slot_bytes = new.slot_bytes
         self.timing.shift(moved)
         if self.speculation is not None:
-            self.speculation.keep_members(new.order)
+            self.speculation.set_members(new.order)  # every offloaded sub-group speculates
         self.colocation.layout_changed()
 
     def offload_for_forward(self, sub_groups=None) -> int:

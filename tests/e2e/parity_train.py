@@ -69,6 +69,52 @@ class Net(torch.nn.Module):
         return self.out(h)
 
 
+class ScriptedMemory:
+    """The counters of a device with memory of its own, for the CPU accelerator, scripted by the test so
+    that the measured plan and the load policy decide as on a GPU (``StreamMode.measure_with`` reads it
+    through the production ``DeviceMemory``). Allocated: ``fixed`` bytes, the resident optimizer state,
+    the early loads, and while a step is open ``per_element`` bytes for each element of its input
+    (activations). Reserved: the highest allocation since the last ``empty_cache``. The training loop
+    reads it after each backward, where activations peak (a device's counters see every allocation)."""
+
+    def __init__(self, handle, limit, fixed, per_element):
+        self.handle, self.limit, self.fixed, self.per_element = handle, limit, fixed, per_element
+        self._peak = self._reserved = 0
+
+    def memory_allocated(self):
+        h = self.handle
+        step = h.lifecycle.current
+        act = self.per_element * step.input_numel if step is not None else 0
+        n = self.fixed + h.probe.resident_bytes(len(h.resident)) + h.table.early_bytes + act
+        self._peak, self._reserved = max(self._peak, n), max(self._reserved, n)
+        return n
+
+    def max_memory_allocated(self):
+        self.memory_allocated()
+        return self._peak
+
+    def memory_reserved(self):
+        self.memory_allocated()
+        return self._reserved
+
+    def max_memory_reserved(self):
+        return self.memory_reserved()
+
+    def reset_peak_memory_stats(self):
+        self._peak = 0
+        self.memory_allocated()
+
+    def total_memory(self):
+        return self.limit
+
+    def available_memory(self):
+        return self.limit - self.memory_reserved()
+
+    def empty_cache(self):
+        self._reserved = 0
+        self.memory_allocated()
+
+
 def ds_config(spec):
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
@@ -344,6 +390,61 @@ def resident_in_store(handle):
     return sorted(out)
 
 
+def colocation_snapshot(engine):
+    """What ``offload_states()``/``reload_states()`` may change: the kinds off the device, the resident
+    sub-groups' kinds in a host store of ``offload_states()``, every state tensor's device and values."""
+    opt = engine.optimizer
+    tensors = [*opt.fp32_partitioned_groups_flat, opt.lp_param_buffer, opt.grad_partitions_flat_buffer,
+               *(p.ds_tensor for p in engine.module.parameters()),
+               *(t for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
+    return {"offloaded": sorted(s.value for s in opt.offloaded_states),
+            "in_store": resident_in_store(deepspeed_offload.get_handle(engine)),
+            "tensors": [(str(t.device), t.detach().clone()) for t in tensors]}
+
+
+def colocation_with_fault(engine, fault):
+    """``engine.offload_states()`` (``fault["at"]`` "offload") or, after one that works,
+    ``engine.reload_states()`` ("reload") failing on ``fault["ranks"]`` alone: at offload, the resident
+    sub-groups' host copy finds no host memory (the real check, ``HostMemory.read`` reporting none
+    available); at reload, the gradient buffer's device copy fails, after the resident sub-groups came
+    back. Reports every rank's outcome: what it raised, how long it took, what differs from before the
+    call. Then nothing is offloaded on any rank (a reload that works, on every rank, if anything is)."""
+    import dataclasses
+    from deepspeed_offload.host_memory import HostMemory
+    here = deepspeed.comm.get_rank() in fault["ranks"]
+    colocation = deepspeed_offload.get_handle(engine).colocation
+    if fault["at"] == "reload":
+        engine.offload_states()
+    before = colocation_snapshot(engine)
+    read = vars(HostMemory)["read"]
+    if here and fault["at"] == "offload":
+        HostMemory.read = classmethod(lambda cls, root="/": dataclasses.replace(read.__func__(cls, root), available=0))
+    if here and fault["at"] == "reload":
+        def out_of_memory(non_blocking):
+            raise RuntimeError("injected failure: out of device memory for the gradient buffer")
+        colocation._reload_lp_grads = out_of_memory
+    t0 = time.perf_counter()
+    try:
+        engine.offload_states() if fault["at"] == "offload" else engine.reload_states()
+        raised = None
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        HostMemory.read = read
+        vars(colocation).pop("_reload_lp_grads", None)
+    seconds = time.perf_counter() - t0
+    after = colocation_snapshot(engine)
+    changed = [k for k in ("offloaded", "in_store") if before[k] != after[k]]
+    changed += ["tensors"] if len(before["tensors"]) != len(after["tensors"]) or not all(
+        d0 == d1 and torch.equal(a, b) for (d0, a), (d1, b) in zip(before["tensors"], after["tensors"])) else []
+    record = dict(fault, raised=raised, seconds=seconds, changed=changed, offloaded_after=after["offloaded"])
+    records = [None] * deepspeed.comm.get_world_size()
+    torch.distributed.all_gather_object(records, record)
+    if any(r["offloaded_after"] for r in records):
+        engine.reload_states()
+    return records  # every rank's
+
+
 def refused_calls():
     """What refusals_while_offloaded asks for: a plain loss.backward() only where DeepSpeed runs its
     engine's backward prologue for one (before that, DeepSpeed's API is engine.backward(loss) alone)."""
@@ -530,6 +631,16 @@ def train_with(spec):
         handle = deepspeed_offload.get_handle(engine)
         handle.timing.early_cap = handle.layout.nbytes[handle.order[0]]
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
+    scripted = None
+    if spec.get("scripted_memory") and deepspeed_offload.get_handle(engine) is not None:
+        # the measured plan on the CPU, over a device whose figures are scripted
+        from collections import deque
+        s, handle = spec["scripted_memory"], deepspeed_offload.get_handle(engine)
+        from deepspeed_offload.runtime.iteration_memory import DeviceMemory
+        scripted = ScriptedMemory(handle, s["limit"], s["fixed"], s["per_element"])
+        handle.measure_with(DeviceMemory(scripted))
+        handle.plan.margin = s["margin"]
+        handle.plan.recent = deque(maxlen=s["recent"])
     if spec.get("force_commit"):  # the negative control: updates from backward committed without the norm check
         deepspeed_offload.get_handle(engine).speculation.force_commit = True
     speculation = getattr(deepspeed_offload.get_handle(engine), "speculation", None)
@@ -606,7 +717,8 @@ def train_with(spec):
     for step in range(spec.get("steps", 6)):
         iteration_start = time.perf_counter()
         for micro in range(gas):
-            x = torch.randn(4, hidden, generator=gen).to(device, dtype)
+            batch = spec["batch_by_step"][step] if spec.get("batch_by_step") else 4
+            x = torch.randn(batch, hidden, generator=gen).to(device, dtype)
             y = torch.sin(x.float().sum(dim=1, keepdim=True)).to(dtype)
             if step < start:
                 continue  # resumed: the data of the steps already taken is drawn and dropped
@@ -621,6 +733,8 @@ def train_with(spec):
             if step == spec.get("overflow_step", -1) and micro == 0:
                 loss = loss * float("inf")  # every rank overflows: the step must be skipped
             engine.backward(loss)
+            if scripted is not None:
+                scripted.memory_allocated()  # the peak: activations alive, the gradients reduced
             if compile_ops is not None:
                 compile_ops.backward_end(x)
             if step == spec.get("read_before_step_at") and micro == gas - 1:
@@ -657,6 +771,13 @@ def train_with(spec):
                 # The stats object, resolved after training: resolving reads the copies' events,
                 # which would wait for this step's write-backs before the next forward starts.
                 step_stats.append(handle.last_stats)
+                result_extra.setdefault("steps_counted", []).append(handle.steps)
+                if getattr(handle, "plan", None) is not None:
+                    result_extra.setdefault("plan", []).append(
+                        {"resident": len(handle.resident), "give_backs": handle.plan.give_backs,
+                         "take_backs": handle.plan.take_backs,
+                         "members": sorted(handle.speculation.members) if handle.speculation else [],
+                         "twins": sorted(handle.store.twins), "released": sorted(handle.store.released)})
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
                     handle._place(k)
@@ -669,6 +790,9 @@ def train_with(spec):
             if save["at"] == step + 1 and step >= start:
                 checkpoint(engine, save)
         if spec.get("colocate") is not None and step >= start:  # after the save: a write may be in flight
+            if step == start and spec["colocate"].get("faults"):  # before the first cycle made any host copy
+                result_extra["colocation_faults"] = [colocation_with_fault(engine, f)
+                                                     for f in spec["colocate"]["faults"]]
             result_extra.setdefault("colocation", []).append(colocation_cycle(engine, spec, step))
 
     deepspeed_offload.wait_for_checkpoint(engine)
@@ -691,7 +815,7 @@ def train_with(spec):
         result["refusals"] = refusals_while_offloaded(engine, spec, device, dtype)
     if handle is not None:
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
-                            "stats": handle.step_stats(), "keys": sorted(handle.store.slices[handle.order[0]]),
+                            "stats": handle.step_stats(), "keys": sorted(handle.store.slices[min(handle.store.slices)]),
                             "counters": getattr(handle, "counters", None),
                             "released_unused": getattr(handle, "released_unused", None),
                             "overlap": getattr(handle, "overlap", None),

@@ -293,6 +293,44 @@ def test_parity_two_ranks(two_rank_runs, case):
             assert results[name]["handle"]["speculation"]["committed"] > 0, name  # the defaults speculate
 
 
+# The measured plan on a device whose figures the test scripts (parity_train.ScriptedMemory): 300 kB, a
+# 20 kB margin, 100 kB that every iteration holds, 300 bytes of activations per input element. Batch 4
+# (128 elements) leaves room for all the state (~25 kB a rank); batch 16 (512) does not. The plan
+# measures step 2 and keeps everything resident; before step 5's forward it gives everything back; two
+# steps of batch 4 later (``recent``: 2) it measures again and takes it all back.
+FOLLOW = dict(dtype="bf16", sub_group_size=1, clip=1e9, steps=10, batch_by_step=[4, 4, 4, 4, 16, 16, 4, 4, 4, 4],
+              scripted_memory=dict(limit=300_000, margin=20_000, fixed=100_000, per_element=300, recent=2))
+
+
+@needs_two_ranks
+def test_the_measured_plan_follows_the_batch_and_every_step_closes(tmp_path):
+    """One step lifecycle for every placement: with every sub-group resident (steps 3-4), each step is
+    still counted and the plan still runs; an input larger than any measured gives state back before
+    its forward; the sub-groups given back speculate again, with their second regions; smaller inputs
+    for a while bring the state back. Bitwise equal to plain ZeRO-3 with the same batches."""
+    offload = dict(OFFLOAD, memory_budget_gb=None, overlap_memory_gb=1e-3)
+    out = launch(dict(FOLLOW, variants=[{"api": "deepspeed"}, {"offload": offload, "log_info": True}]), tmp_path,
+                 "follow")
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    n = len(ours["handle"]["order"]) + len(ours["handle"]["resident"])
+    assert ours["steps_counted"] == list(range(1, 11))  # every step closed once, whatever was resident
+    stats = ours["step_stats"]
+    assert [s["input_numel"] for s in stats] == [128] * 4 + [512] * 2 + [128] * 4
+    resident = [p["resident"] for p in ours["plan"]]
+    assert resident == [0] + [n] * 3 + [0] * 4 + [n] * 2, resident
+    # what each step streamed: everything until the plan kept it, nothing while it is all resident
+    assert [s["offloaded"] for s in stats] == [n, n, 0, 0, n, n, n, n, n, 0], stats
+    assert [s["resident"] for s in stats] == [0, 0, n, n, 0, 0, 0, 0, 0, n], stats
+    assert all(s["step_s"] is not None and s["iteration_s"] >= s["step_s"] for s in stats), stats
+    plan = ours["plan"]
+    assert plan[4]["give_backs"] == 1 and plan[7]["take_backs"] == 1, plan
+    # given back before step 5: every offloaded sub-group speculates again, from its second region
+    assert plan[5]["members"] == list(range(n)) and set(plan[5]["twins"]) == set(range(n)), plan[5]
+    assert stats[5]["speculated"] == n and stats[5]["committed"] == n, stats[5]
+    assert plan[5]["released"] == [] and plan[9]["released"] == list(range(n)), plan
+
+
 @needs_two_ranks
 def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
     out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path,

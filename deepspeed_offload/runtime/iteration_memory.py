@@ -1,0 +1,112 @@
+"""What an iteration needs on the device beside the optimizer state, as a function of its input.
+
+The measured plan (``placement.py``) keeps resident the state that fits below the device limit
+beside the iteration. An iteration whose input is larger (a longer sequence, a larger batch: RL
+rollouts, packed SFT, a curriculum) needs more, and a plan that learns it only after the iteration
+ran out of memory has learned it too late. So the plan asks, before each training forward, what an
+input of that size will need, and gives state back first where it would not fit.
+
+``IterationMemory`` learns it from the steps that ran. Each applied step gives one sample: the
+largest forward input (elements of its largest tensor, ``hooks.input_numel``), what was allocated
+when that forward began less the resident state (``base``: the 16-bit partitions, buffers, what
+survives from step to step), and the peak allocated from there to the step's end (``growth``:
+activations, gradients, the step's temporaries). The growth is fitted as ``growth(n) = g * (n /
+n0) ** p`` through the largest input seen (``n0``, its largest growth ``g``); ``p`` is measured from
+the two largest distinct inputs, between 1 (activations in proportion to the tokens) and 2 (an
+attention that materializes its scores), and 1 while only one size was seen. Inputs at or under
+``n0`` need at most ``g``: the prediction never goes below what was measured.
+
+``DeviceMemory`` reads the device's counters for everyone that needs a peak: the load policy resets
+the peak statistics at every gradient hook of the iteration it measures, and the iteration's own peak
+must survive those resets.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+# The exponent of growth with the input that the fit allows.
+MIN_POWER, MAX_POWER = 1.0, 2.0
+
+
+class DeviceMemory:
+    """The accelerator's memory counters, with the window of one iteration's peak kept across the
+    resets the load policy makes (``reset_peak_memory_stats``). Has the accelerator's method names, so
+    the load policy reads it as it reads the accelerator."""
+
+    def __init__(self, acc):
+        self.acc = acc
+        self._window_peak = 0
+
+    def memory_allocated(self) -> int:
+        return int(self.acc.memory_allocated())
+
+    def memory_reserved(self) -> int:
+        return int(self.acc.memory_reserved() or 0)
+
+    def max_memory_allocated(self) -> int:
+        return int(self.acc.max_memory_allocated())
+
+    def max_memory_reserved(self) -> int:
+        return int(self.acc.max_memory_reserved())
+
+    def total_memory(self) -> int:
+        return int(self.acc.total_memory())
+
+    def available_memory(self) -> int:
+        return int(self.acc.available_memory())
+
+    def empty_cache(self):
+        self.acc.empty_cache()
+
+    def reset_peak_memory_stats(self):
+        self._window_peak = max(self._window_peak, self.max_memory_allocated())
+        self.acc.reset_peak_memory_stats()
+
+    def open_window(self) -> int:
+        """A new window of the peak begins here; returns what is allocated now."""
+        self.reset_peak_memory_stats()
+        self._window_peak = 0
+        return self.memory_allocated()
+
+    def window_peak(self) -> int:
+        """The highest allocation since ``open_window``."""
+        return max(self._window_peak, self.max_memory_allocated())
+
+
+@dataclass
+class IterationMemory:
+    """Samples of (input elements -> device memory the iteration needs beside the resident state)."""
+    growth: Dict[int, int] = field(default_factory=dict)  # input elements -> largest growth seen
+    base: int = 0  # the last step's base (allocated at its forward's start, less the resident state)
+
+    def add(self, numel: int, base: int, growth: int):
+        if numel <= 0:
+            return
+        self.base = max(0, base)
+        self.growth[numel] = max(self.growth.get(numel, 0), max(0, growth))
+
+    @property
+    def largest(self) -> int:
+        return max(self.growth, default=0)
+
+    def power(self) -> float:
+        sizes = sorted(self.growth)
+        if len(sizes) < 2:
+            return MIN_POWER
+        n1, n2 = sizes[-2], sizes[-1]
+        g1, g2 = self.growth[n1], self.growth[n2]
+        if g1 <= 0 or g2 <= g1:
+            return MIN_POWER
+        return min(MAX_POWER, max(MIN_POWER, math.log(g2 / g1) / math.log(n2 / n1)))
+
+    def predict(self, numel: int) -> Optional[int]:
+        """Bytes an iteration with an input of ``numel`` elements needs beside the resident state
+        (base and growth); None before any sample."""
+        if not self.growth:
+            return None
+        n0 = self.largest
+        g0 = max(g for n, g in self.growth.items() if n >= min(numel, n0))
+        if numel > n0:
+            g0 = int(math.ceil(self.growth[n0] * (numel / n0) ** self.power()))
+        return self.base + g0
