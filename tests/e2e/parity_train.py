@@ -772,6 +772,8 @@ def train_with(spec):
                 # which would wait for this step's write-backs before the next forward starts.
                 step_stats.append(handle.last_stats)
                 result_extra.setdefault("steps_counted", []).append(handle.steps)
+                if hasattr(handle, "table"):  # copy events remembered for dropped buffers (bounded per step)
+                    result_extra.setdefault("in_flight", []).append(len(handle.table._in_flight))
                 if getattr(handle, "plan", None) is not None:
                     result_extra.setdefault("plan", []).append(
                         {"resident": len(handle.resident), "give_backs": handle.plan.give_backs,

@@ -427,6 +427,22 @@ def test_a_step_that_raises_writes_compile_modes_kept_state_back(tmp_path):
     assert len(out["losses"]) == 4  # the steps after it ran
 
 
+@needs_two_ranks
+def test_compile_modes_copy_events_stay_bounded_over_a_thousand_steps(tmp_path):
+    """Compile mode's step never drains (its write-backs run at the next forward's head), so the copy
+    events of the buffers it drops are forgotten only where each step closes: a thousand steps keep no
+    more of them than the first few."""
+    # (the deferred executor: copies with events, as on a GPU; the CPU's synchronous ones have none)
+    spec = dict(COMPILE_OPS_CASES["reload_all_one_param_per_sub_group"], steps=1000, api="deepspeed",
+                copies="deferred")
+    spec.pop("overflow_step")
+    spec["compile_ops"] = {"reload": "all", "keep": 3}
+    out = launch(spec, tmp_path, "compile_1000", timeout=600)
+    in_flight = out["in_flight"]
+    assert len(in_flight) == 1000 and out["steps_counted"][-1] == 1000
+    assert max(in_flight) <= len(out["handle"]["order"]), (max(in_flight), in_flight[:10], in_flight[-10:])
+
+
 @pytest.mark.parametrize("keep", ["all", 3])
 @needs_two_ranks
 def test_a_reader_between_backward_and_step_leaves_compile_modes_kept_state_kept(compile_runs, keep):
