@@ -18,7 +18,13 @@ tests want none), ``accesses`` the ones checked. One rule of its own: a buffer a
 (not recorded on the side stream) goes back to the compute stream's pool when it is dropped, so the
 compute stream must have waited for every use of it by then, or the buffer must have been handed to
 ``release`` first; ``unjoined_drops`` counts the drops that broke that (also violations),
-``joined_allocs`` shows the check saw some.
+``joined_allocs`` shows the check saw some. ``release`` is checked as the allocator would reuse the
+block: on a GPU a released buffer is recorded on the side stream, and on the D2H stream too where
+the caller says a queued copy reads it (``read_by_copies``: a rollback's copy of the state before back
+over its host region), and its next user may write it once the work queued by then on those streams
+and on the stream it was allocated on has run. Every access to it must be ordered before that;
+``released_in_use`` counts the releases that were not (also violations), and such a buffer is filled
+with NaN at once, as the block's next user might, so that a copy still to read it copies NaN.
 
 ``drop_slot_wait=True`` is the negative control: every load ignores what its destination waits for
 (the runtime passes ``(previous write-back, destination ready...)``; for a place in a staging slot,
@@ -59,6 +65,8 @@ class DeferredCopies:
         self.joined_allocs = 0
         self.unjoined_drops = 0  # JOINED buffers dropped before the compute stream waited for their uses
         self._released = set()  # keys of JOINED buffers handed to release
+        self._pools = {}  # keys of JOINED buffers -> the stream they were allocated on (whose pool they go back to)
+        self.released_in_use = 0  # buffers released while a stream they were not recorded on still used them
 
     @property
     def violations(self) -> int:
@@ -130,6 +138,7 @@ class DeferredCopies:
             self.order.fresh(buf, f"{used_by} buffer {self.allocs} ({buf.dtype}, {buf.numel()})")
             if used_by == JOINED:
                 self.joined_allocs += 1
+                self._pools[key_of(buf)] = self.order.current
             weakref.finalize(buf, self._dropped, key_of(buf), used_by == JOINED)
         return bufs, self.order.mark()  # a copy into them waits for the compute work queued before
 
@@ -140,10 +149,25 @@ class DeferredCopies:
             # its block goes back to the compute stream, which may reuse it at once
             self.unjoined_drops += not self.order.access(key, write=True, stream="compute")
         self._released.discard(key)
+        self._pools.pop(key, None)
         self.order.forget(key)
 
     def release(self, *tensors, read_by_copies=False):
-        self._released.update(key_of(t) for t in tensors)
+        """JOINED buffers about to be dropped without a join: ``AsyncCopies`` records them on the side
+        stream (and on the D2H stream, ``read_by_copies``), so their blocks are reused after the work
+        queued by now on those streams and on the stream they were allocated on. An access to one
+        that is not ordered before that reuse (a D2H copy still queued to read it, not recorded) is a
+        violation; the buffer is filled with NaN, as the block's next user may write it first."""
+        recorded = ("side", "d2h") if read_by_copies else ("side", )
+        for t in tensors:
+            key = key_of(t)
+            self._released.add(key)
+            if key is None:
+                continue
+            if not self.order.reused(key, (self._pools.get(key, "compute"), *recorded)):
+                self.released_in_use += 1
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
 
     # ------------------------------------------------------------------ the streams' order
 

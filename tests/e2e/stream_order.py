@@ -17,6 +17,7 @@ last write, a write after the last write and every read since. An access that is
 The accesses checked are the copies' own (``h2d``/``d2h``: the host region and the device buffer),
 an allocation (a block the caching allocator hands out may still be in use by the compute stream's
 earlier work), a drop of a ``JOINED`` buffer (its block goes back to the compute stream at once),
+a ``release`` of one (its block's next user writes it after the streams it was recorded on: ``reused``),
 those the runtime declares where it hands buffers to a stream (``copies.uses``: ``arrive``,
 ``mark_updated``, a speculated update, a commit's copy), and DeepSpeed's own, which
 ``declare_deepspeed`` adds around its methods (with ``offload_states()``' copies of the resident
@@ -148,6 +149,38 @@ class StreamOrder:
             gone = self._overlapping(k)
             self._buffers[k[0]] = [rec for rec in self._buffers.get(k[0], ()) if all(rec is not g for g in gone)]
 
+    def _check(self, k, clock: Dict[str, int], write: bool, who: str, recs: List[list]) -> bool:
+        """Whether a read (a write) at ``clock`` comes after the last write (and the reads since) of each
+        of ``recs``; counts and describes each one it does not."""
+        ordered = True
+        for rec in recs:
+            before = [("write", rec[1])] if rec[1] is not None else []
+            if write:
+                before += [("read", r) for r in rec[2].items()]
+            unordered = [(kind, s, n) for kind, (s, n) in before if clock.get(s, 0) < n]
+            for kind, s, n in unordered:
+                self.violations += 1
+                if len(self.first) < KEEP:
+                    self.first.append(f"{who} {'writes' if write else 'reads'} {rec[0]} (at {k[1]:#x}) unordered "
+                                      f"after {s}'s {kind} #{n} ({who} has waited for {s} up to #{clock.get(s, 0)})")
+            ordered = ordered and not unordered
+        return ordered
+
+    def reused(self, t_or_key, after) -> bool:
+        """The buffer's block goes back to the allocator now, and its next user may write it as soon as
+        the work queued so far on the streams ``after`` has run (the stream whose pool it returns to,
+        those it was recorded on; and whatever the host has waited for): returns whether every access
+        to it is ordered before that (if not, the violations are counted and described). The accesses
+        stay recorded: a later one is checked as before."""
+        k = t_or_key if isinstance(t_or_key, tuple) or t_or_key is None else key_of(t_or_key)
+        if k is None:
+            return True
+        clock = dict(self.clocks["host"])
+        for s in after:
+            _merge(clock, self.clocks[s])
+        self.accesses += 1
+        return self._check(k, clock, True, f"a reuse after {'+'.join(after)}", self._overlapping(k))
+
     def forget_reads(self, t: torch.Tensor, stream: str):
         """``stream``'s reads of ``t`` so far no longer count (their results were thrown away)."""
         k = key_of(t)
@@ -164,18 +197,7 @@ class StreamOrder:
         stream = stream or self.current
         clock = self._tick(stream)
         self.accesses += 1
-        ordered = True
-        for rec in self._overlapping(k) or [self._record(k, label)]:
-            before = [("write", rec[1])] if rec[1] is not None else []
-            if write:
-                before += [("read", r) for r in rec[2].items()]
-            unordered = [(kind, s, n) for kind, (s, n) in before if clock.get(s, 0) < n]
-            for kind, s, n in unordered:
-                self.violations += 1
-                if len(self.first) < KEEP:
-                    self.first.append(f"{stream} {'writes' if write else 'reads'} {rec[0]} (at {k[1]:#x}) unordered "
-                                      f"after {s}'s {kind} #{n} ({stream} has waited for {s} up to #{clock.get(s, 0)})")
-            ordered = ordered and not unordered
+        ordered = self._check(k, clock, write, stream, self._overlapping(k) or [self._record(k, label)])
         rec = self._record(k, next((r[0] for r in self._overlapping(k) if r[3] == k[1] and r[4] == k[2]), label))
         if write:
             rec[1], rec[2] = (stream, clock[stream]), {}

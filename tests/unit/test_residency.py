@@ -431,6 +431,145 @@ def test_a_slots_refill_without_its_write_back_is_caught_by_parity_too():
     assert _ordered_step(t)[1] != 11.0
 
 
+# Sub-groups of three sizes (in units of PLACE_ALIGN elements per tensor, two tensors each): 0 fills a
+# slot, 1 and 2 share slot 1 at offsets 0 and 2 units, 3 and 4 go back to slot 0 at 0 and 2 units
+# (4 inside 0's place, at another offset than 0), 5 fills slot 1 again over both 1 and 2.
+MIXED = [3, 1, 2, 1, 2, 3]
+
+
+def test_a_load_waits_for_every_earlier_occupant_its_place_overlaps():
+    """Sub-groups of different sizes pack into a slot at different offsets, so a new place may overlap
+    an earlier occupant that started elsewhere in the slot: 4 (at 2 units) lies inside 0's place (at
+    0), 5 (at 0) covers 1's place (at 0) and 2's (at 2 units). Each load must wait for the write-back
+    of every earlier occupant it overlaps, not only of the one at its own offset: that copy still reads
+    the bytes the load overwrites."""
+    copies = RecordingCopies()
+    t = make_table(copies, sizes=[n * PLACE_ALIGN for n in MIXED])
+    t.plan(list(range(len(MIXED))))
+    f32 = torch.float32
+    assert {i: (s, o[f32] // PLACE_ALIGN) for i, (s, o) in t.places.items()} == {
+        0: (0, 0), 1: (1, 0), 2: (1, 2), 3: (0, 0), 4: (0, 2), 5: (1, 0)}
+    for i in (0, 1, 2):
+        t.load(i, staged=True)
+    ready = [copies.waits[0][1][1], copies.waits[1][1][1]]  # each slot's allocation
+    for i in (0, 1, 2):
+        t.arrive(i)
+        t.mark_updated(i)
+        t.write_back(i)
+    t.load(4, staged=True)  # into 0's place, at another offset
+    assert copies.waits[-1][1] == [None, ready[0], t[0].written]
+    t.load(5, staged=True)  # over 1's place and 2's
+    assert copies.waits[-1][1] == [None, ready[1], t[1].written, t[2].written]
+
+
+def test_packed_sub_groups_of_different_sizes_keep_the_order_a_gpu_needs():
+    """A step over ``MIXED`` in the order the stream mode takes (each load as soon as its place is free,
+    write-backs in order), with copies that run only when waited for. Slot 1's refill with 5 covers 1's
+    place and 2's: if it waited only for 1's write-back (the occupant at its offset), it would overwrite
+    2's state before 2's write-back read it (a violation; and 2's host region would get 5's state)."""
+    copies = DeferredCopies()
+    t = make_table(copies, sizes=[n * PLACE_ALIGN for n in MIXED])
+    t.plan(list(range(len(MIXED))))
+    loaded = []
+
+    def load_what_fits():
+        for i in range(len(MIXED)):
+            if i not in loaded and t.can_stage(i):
+                t.load(i, staged=True)
+                loaded.append(i)
+
+    load_what_fits()
+    assert loaded == [0, 1, 2]
+    for i in range(len(MIXED)):
+        t.arrive(i)
+        t.view(i, MASTER).add_(10)
+        t.mark_updated(i)
+        t.write_back(i)
+        load_what_fits()
+    assert loaded == [0, 1, 2, 3, 4, 5]
+    t.free_slots()
+    t.drain()
+    for i in t.of:  # the CPU reads the host store now
+        for region in t._regions(i).values():
+            copies.order.access(region, write=False, stream="host")
+    assert copies.violations == 0, copies.first_violations
+    assert [t.store.view(i, MASTER).unique().tolist() for i in t.of] == [[10.0 + i] for i in t.of]
+    assert copies.deferred > 0
+
+
+def _speculation(table):
+    """A ``Speculation`` over ``table`` with a stand-in for the stream mode (no members: the updates are
+    made by hand, as ``Speculation._update`` makes them)."""
+    from types import SimpleNamespace
+    from deepspeed_offload.runtime.speculation import Speculation
+    opt = SimpleNamespace(optimizer=None, fp16_groups=[], fp32_partitioned_groups_flat=[])
+    mode = SimpleNamespace(opt=opt, table=table, copies=table.copies, stats=None, guard=lambda i, other=False: None)
+    return Speculation(mode, [])
+
+
+def _update_over_the_host_region(spec, i):
+    """What ``Speculation._update`` does on the device for a sub-group rolled back from a device copy
+    (``Rollback.DEVICE_COPY``): on the side stream, copy the loaded state into buffers of its own
+    (``JOINED``), update it, make the 16-bit cast; then write the update back over the current host
+    region."""
+    from deepspeed_offload.runtime.copies import JOINED
+    from deepspeed_offload.runtime.speculated import Speculated
+    t, copies = spec.mode.table, spec.mode.copies
+    t.load(i)
+    n = t.store.region_numel(i)[torch.float32] // 2
+    cast, cast_ready = copies.alloc({torch.bfloat16: n}, used_by=JOINED)
+    kept, kept_ready = copies.alloc(t.store.region_numel(i), used_by=JOINED)
+    with copies.side():
+        t.arrive(i)
+        copies.compute_waits(cast_ready)
+        copies.compute_waits(kept_ready)
+        copies.uses(reads=t[i].buffers.values(), writes=kept.values())
+        for dt, buf in kept.items():
+            buf.copy_(t[i].buffers[dt].narrow(0, 0, buf.numel()))
+        t.view(i, MASTER).add_(10)
+        copies.uses(writes=cast.values())
+        cast[torch.bfloat16].copy_(t.view(i, MASTER))
+        t.mark_updated(i)
+    t.write_back(i)
+    spec.updated[i] = Speculated({}, {}, {}, 1.0, cast[torch.bfloat16], kept)
+
+
+@pytest.mark.parametrize("discard", ["discard_all", "discard"])
+@pytest.mark.parametrize("control", [False, True], ids=["read_by_copies", "control_without_read_by_copies"])
+def test_a_rollback_from_a_device_copy_holds_the_copy_until_its_restore_read_it(discard, control):
+    """A speculated update written over its host region is rolled back (``discard_all`` at the step, or
+    ``discard`` of one sub-group where DeepSpeed reduces its gradient again): the device copy of the
+    state before goes back over the host region on the D2H stream (``restore``), and the copy's
+    buffers, dropped right after, are released ``read_by_copies``: on a GPU recorded on the D2H stream
+    too, so that the allocator hands their blocks out only after that copy read them. Released
+    without it (the control drops the flag), the next user of the blocks may overwrite them first: a
+    violation, and the deferred executor, which reuses such a block at once, restores NaN."""
+    copies = DeferredCopies()
+    if control:
+        release = copies.release
+        copies.release = lambda *tensors, read_by_copies=False: release(*tensors)
+    t = make_table(copies, groups=2)
+    spec = _speculation(t)
+    _update_over_the_host_region(spec, 1)
+    assert t.store.view(1, MASTER).tolist() == [1.0] * 4  # the update's write-back: still queued
+    if discard == "discard_all":
+        spec.discard_all("clipped")
+    else:
+        with copies.order.on("reduce"):  # (DeepSpeed's reduction stream, which reduced a gradient again)
+            spec.discard(1, "gradient changed")
+    assert spec.counters.restored == 1 and not spec.updated
+    assert copies.deferred > 0  # the restore was queued behind that write-back: its source was released unread
+    t.drain()
+    for region in t._regions(1).values():  # the CPU reads the host store now
+        copies.order.access(region, write=False, stream="host")
+    restored = t.store.view(1, MASTER).tolist() == [1.0] * 4
+    if control:
+        assert copies.released_in_use > 0 and copies.violations > 0 and not restored
+    else:
+        assert copies.violations == 0 and copies.released_in_use == 0, copies.first_violations
+        assert restored  # the state before the update
+
+
 # ---------------------------------------------------------------------- on a GPU: the waits are real
 
 # cycles of torch.cuda._sleep: ~0.5 s of stream work that holds a copy or an update back. The
