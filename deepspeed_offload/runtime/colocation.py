@@ -33,16 +33,30 @@ included (marked as it moves, so a failure half-way leaves it known). While anyt
 ``engine.step()``, ``engine.backward()`` (and the gradient hooks' prologue), ``engine.load_checkpoint()``,
 the optimizer's writers of host state and ``detach()`` raise ``StatesOffloaded`` on entry, before
 they change anything: call ``reload_states()`` first (stream mode installs those refusals).
+
+Both calls happen on every rank or on none (as attach does, ``agreement.py``), so that a failure on one
+rank (its host short of memory for the resident sub-groups' copy, a device allocation at reload) is
+raised on every rank within seconds, naming the failing rank and the cause, instead of leaving the
+others in their next collective until the timeout. ``offload_states`` makes every host buffer it needs
+first (what can fail), then the ranks agree (one one-element all-reduce), then it copies, which cannot
+fail; after a failure on any rank every rank drops what it made and raises ``OffloadStatesError``, its
+states untouched. ``reload_states`` agrees once at its end (it synchronizes there anyway); after a
+failure on any rank every rank offloads again what it brought back, with the ``pin_memory`` it was
+offloaded with, and raises: every rank's states are off the device as before, ready for another
+``reload_states()``.
 """
 
 import itertools
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 
 from ..compat import drop_reduce_buffers
+from . import agreement
+from .attach import _describe
 from .host_store import MASTER, HostStore
 
 OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
@@ -58,6 +72,23 @@ class StatesOffloaded(RuntimeError):
     ``offload_states()`` and ``reload_states()``."""
 
 
+class OffloadStatesError(RuntimeError):
+    """``engine.offload_states()`` or ``reload_states()`` failed on some rank: raised on every rank,
+    naming the failing rank(s) and the cause; every rank's states are where they were before the call."""
+
+
+@dataclass
+class _Moves:
+    """What one ``offload_states()`` moves, with every host buffer it needs made already."""
+    wanted: list  # the kinds asked for that are on the device
+    ours: list  # of those, hp_params and optim_states
+    pin_memory: bool
+    store: Optional[HostStore] = None  # the resident sub-groups' host copy (None: nothing resident moves)
+    lp: Optional[Tuple] = None  # lp_params: (host flat buffer, trainable partitions, [(frozen, its device, host)])
+    grads: Optional[torch.Tensor] = None  # lp_grads: the host flat buffer
+    made: list = field(default_factory=list)  # ("store", pin) / ("attr", name): made by this call
+
+
 class StateOffload:
     """The offload_states/reload_states of one attached engine. ``mode``: its ``StreamMode``."""
 
@@ -70,6 +101,7 @@ class StateOffload:
         self.copied = None  # event of a non-blocking offload's copies into the resident host store
         self.fp32_aliases: List[int] = []  # sub-groups whose master is its 16-bit partition (fp32), offloaded
         self.frozen_on_host: List[tuple] = []  # (ds_tensor, its device) of frozen parameters offloaded
+        self.pinned: Dict[OffloadStateTypeEnum, bool] = {}  # kind -> the pin_memory it was offloaded with
         self.offload_bytes = 0  # moved by the last offload_states() for hp_params and optim_states
         self.reload_bytes = 0  # ... and by the last reload_states()
 
@@ -88,41 +120,33 @@ class StateOffload:
 
     def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
                        non_blocking: bool = False):
-        """``DeepSpeedZeroOptimizer_Stage3.offload_states``, every kind (see the module's docstring)."""
-        mode, opt = self.mode, self.opt
-        if mode._in_step:
-            raise StatesOffloaded("deepspeed-offload: engine.offload_states() called inside a step")
-        wanted = [k for k in (list(OffloadStateTypeEnum) if include is None else list(include))
-                  if k not in opt.offloaded_states]
-        mode.discard_speculation("offload_states")  # updated from the state that moves now
-        opt.empty_partition_cache()  # as DeepSpeed: the gathered parameters are released first
-        ours = [k for k in OURS if k in wanted]
-        moved = 0
-        if ours:
-            # Made (and its host memory checked) before anything moves.
-            store = self._resident_store(pin_memory) if self._resident_keys(ours) else None
-            # Write-backs land: what compile mode left updated on the device goes to the host store
-            # (those it keeps there between steps come back at reload_states).
-            updated = [i for i in mode.order if mode.table[i].on_device and mode.table[i].host_stale]
-            self.kept = sorted(set(self.kept) | {i for i in updated if i in mode.timing.kept})
-            mode.synchronize_for_checkpoint()
-            mode.table.release_loaded()  # loaded ahead of a step: the host copy is the current one
-            moved += sum(mode.layout.nbytes[i] for i in updated)
-            for kind in ours:
-                if store is not None:
-                    moved += self._move_resident(kind, store, non_blocking)
-                    self.resident_on_host[kind] = store
-                opt.offloaded_states.add(kind)  # marked as it moves: a failure below leaves it known
-            if non_blocking and store is not None:
-                self.copied = mode.copies.mark()  # CPU readers of the host copy wait for it (wait_for_copies)
-        self.offload_bytes = moved
-        if LP in wanted:
-            self._offload_lp_params(pin_memory, non_blocking)
-        if LP_GRADS in wanted:
-            self._offload_lp_grads(pin_memory, non_blocking)
-        if BUCKETS in wanted and drop_reduce_buffers(opt):  # DeepSpeed's reload makes empty ones of their shape
-            opt.offloaded_states.add(BUCKETS)
-        mode.acc.empty_cache()  # the rollout in this process or another sees the memory free
+        """``DeepSpeedZeroOptimizer_Stage3.offload_states``, every kind (see the module's docstring), on
+        every rank or on none."""
+        moves, error = None, None
+        try:
+            moves = self._prepare_offload(include, pin_memory)
+        except Exception as e:  # noqa: B902 - agreed below, so no rank is left waiting
+            error = e
+        self._agree("engine.offload_states()", error, "nothing moved, on any rank",
+                    undo=lambda: self._forget(moves.made if moves is not None else ()))
+        self._offload(moves, non_blocking)
+
+    def reload_states(self, orig, non_blocking: bool = False):
+        """``DeepSpeedZeroOptimizer_Stage3.reload_states``, ``orig`` its own version, on every rank or on
+        none."""
+        before, kept, figures = set(self.opt.offloaded_states), list(self.kept), (self.offload_bytes, self.reload_bytes)
+        error = None
+        try:
+            self._reload(orig, non_blocking)
+        except Exception as e:  # noqa: B902 - agreed below, so no rank is left waiting
+            error = e
+
+        def undo():
+            self._offload_again(before, kept)
+            self.offload_bytes, self.reload_bytes = figures
+
+        self._agree("engine.reload_states()", error, "every rank's states are off the device again, as before "
+                    "the call", undo=undo)
 
     def wait_for_copies(self):
         """Before the CPU reads the resident sub-groups' host copy: a non-blocking offload has landed."""
@@ -130,44 +154,167 @@ class StateOffload:
             self.mode.copies.wait_host(self.copied)
             self.copied = None
 
-    def reload_states(self, orig, non_blocking: bool = False):
-        """``DeepSpeedZeroOptimizer_Stage3.reload_states``, ``orig`` its own version."""
+    # ------------------------------------------------------------------ every rank or none
+
+    def _agree(self, what: str, error: Optional[BaseException], outcome: str, undo):
+        """The ranks agree whether ``what`` failed on any of them (one one-element all-reduce; the
+        messages only after a failure). If one did, every rank runs ``undo`` (no collective) and raises
+        ``OffloadStatesError``: its own cause, or the failing ranks' and theirs."""
+        own = None if error is None else _describe(error)
+        failures = agreement.agree(own)
+        if not failures:
+            return
+        rank, _ = agreement.rank_world()
+        undo_error = None
+        try:
+            undo()
+        except Exception as e:  # noqa: B902 - reported with the agreed failure
+            undo_error = e
+        try:
+            agreement.raise_agreed(failures, None if own is None else f"rank {rank}: {own}", OffloadStatesError,
+                                   f"[deepspeed-offload] {what} failed ({outcome})")
+        except OffloadStatesError as agreed:
+            if undo_error is None:
+                raise agreed from error
+            names = ", ".join(sorted(s.value for s in self.opt.offloaded_states)) or "nothing"
+            raise OffloadStatesError(f"{agreed}; undoing it on rank {rank} failed too: {_describe(undo_error)} "
+                                     f"(off the device on this rank now: {names})") from undo_error
+
+    def _forget(self, made):
+        """Drop the host buffers an ``offload_states()`` that failed made (on any rank)."""
+        for what, key in made:
+            if what == "store":
+                self.resident_stores.pop(key, None)
+            elif hasattr(self.opt, key):
+                delattr(self.opt, key)
+
+    def _offload_again(self, before, kept: List[int]):
+        """A ``reload_states()`` failed on some rank: what this rank brought back goes off the device
+        again (``before``: what was off before the call), each kind with its ``pin_memory`` of then, and
+        compile mode's kept sub-groups are those it kept (``kept``)."""
+        back = [k for k in OffloadStateTypeEnum if k in before and k not in self.opt.offloaded_states]
+        for pin in (True, False):
+            kinds = [k for k in back if self.pinned.get(k, True) == pin]
+            if kinds:
+                self._offload(self._prepare_offload(kinds, pin), non_blocking=False)
+        self.kept = sorted(set(self.kept) | set(kept))
+
+    # ------------------------------------------------------------------ offload: what can fail, then the moves
+
+    def _prepare_offload(self, include, pin_memory: bool) -> _Moves:
+        """Every check, and every host buffer this offload needs (the resident sub-groups' copy, its host
+        memory checked; the 16-bit buffers' pinned copies): what can fail, before anything moves."""
+        mode, opt = self.mode, self.opt
+        if mode._in_step:
+            raise StatesOffloaded("deepspeed-offload: engine.offload_states() called inside a step")
+        wanted = [k for k in (list(OffloadStateTypeEnum) if include is None else list(include))
+                  if k not in opt.offloaded_states]
+        moves = _Moves(wanted=wanted, ours=[k for k in OURS if k in wanted], pin_memory=bool(pin_memory))
+        try:
+            if moves.ours and self._resident_keys(moves.ours):
+                moves.store = self._resident_store(pin_memory, moves.made)
+            if LP in wanted:
+                moves.lp = self._lp_host(pin_memory, moves.made)
+            if LP_GRADS in wanted:
+                moves.grads = self._host_buffer("lp_grad_partitions_flat_pin_buffers",
+                                                opt.grad_partitions_flat_buffer.data, pin_memory, moves.made)
+        except BaseException:
+            self._forget(moves.made)
+            raise
+        return moves
+
+    def _offload(self, moves: _Moves, non_blocking: bool):
+        """The moves ``_prepare_offload`` made ready: copies into buffers that exist, and ``.data``
+        rebound."""
+        mode, opt = self.mode, self.opt
+        mode.discard_speculation("offload_states")  # updated from the state that moves now
+        opt.empty_partition_cache()  # as DeepSpeed: the gathered parameters are released first
+        moved = 0
+        if moves.ours:
+            store = moves.store
+            # Write-backs land: what compile mode left updated on the device goes to the host store
+            # (those it keeps there between steps come back at reload_states).
+            updated = [i for i in mode.order if mode.table[i].on_device and mode.table[i].host_stale]
+            self.kept = sorted(set(self.kept) | {i for i in updated if i in mode.timing.kept})
+            mode.synchronize_for_checkpoint()
+            mode.table.release_loaded()  # loaded ahead of a step: the host copy is the current one
+            moved += sum(mode.layout.nbytes[i] for i in updated)
+            for kind in moves.ours:
+                if store is not None:
+                    moved += self._move_resident(kind, store, non_blocking)
+                    self.resident_on_host[kind] = store
+                opt.offloaded_states.add(kind)  # marked as it moves
+            if non_blocking and store is not None:
+                self.copied = mode.copies.mark()  # CPU readers of the host copy wait for it (wait_for_copies)
+        self.offload_bytes = moved
+        if moves.lp is not None:
+            self._offload_lp_params(moves.lp, moves.pin_memory, non_blocking)
+        if moves.grads is not None:
+            self._offload_lp_grads(moves.grads, non_blocking)
+        if BUCKETS in moves.wanted and drop_reduce_buffers(opt):  # DeepSpeed's reload makes empty ones of their shape
+            opt.offloaded_states.add(BUCKETS)
+        for kind in moves.wanted:
+            if kind in opt.offloaded_states:
+                self.pinned[kind] = moves.pin_memory
+        mode.acc.empty_cache()  # the rollout in this process or another sees the memory free
+
+    # ------------------------------------------------------------------ reload
+
+    def _reload(self, orig, non_blocking: bool):
+        """Each kind back on the device, each one whole or not at all (its device buffers made before
+        anything is rebound), marked back as it arrives: a failure half-way leaves known what is still
+        off the device."""
+        opt = self.opt
         moved = 0
         device = self.mode.acc.current_device_name()
         for kind in OURS:
-            if kind not in self.opt.offloaded_states:
+            if kind not in opt.offloaded_states:
                 continue
-            self.opt.offloaded_states.discard(kind)  # DeepSpeed's reload below must not see ours
-            store = self.resident_on_host.pop(kind, None)
+            store = self.resident_on_host.get(kind)
             if store is not None:
                 moved += self._move_resident(kind, None, non_blocking, device=device, store=store)
+            self.resident_on_host.pop(kind, None)
+            opt.offloaded_states.discard(kind)  # DeepSpeed's reload below must not see ours
         for i in self.kept:
             moved += self.mode.preload(i)  # back into buffers of their own, where the step expects them
         self.kept = []
         self.reload_bytes = moved
-        frozen, self.frozen_on_host = self.frozen_on_host, []
-        aliases, self.fp32_aliases = self.fp32_aliases, []
-        if LP_GRADS in self.opt.offloaded_states:
+        if LP_GRADS in opt.offloaded_states:
             self._reload_lp_grads(non_blocking)
-        orig(non_blocking=non_blocking)  # the buckets and the trainable lp_params; synchronizes when non_blocking
-        for i in aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
-            self.opt.fp32_partitioned_groups_flat[i].data = self.opt.fp16_partitioned_groups_flat[i].data
-        for tensor, home in frozen:
-            tensor.data = tensor.data.to(home, non_blocking=non_blocking)
-        if frozen and non_blocking:
-            self.mode.acc.synchronize()
+        lp = LP in opt.offloaded_states
+        try:
+            orig(non_blocking=non_blocking)  # the buckets and the trainable lp_params; synchronizes when non_blocking
+        finally:
+            if lp and LP not in opt.offloaded_states:  # DeepSpeed brought the flat 16-bit buffer back
+                self._reload_lp_rest(non_blocking)
 
     # ------------------------------------------------------------------ the 16-bit partitions
 
-    def _offload_lp_params(self, pin_memory: bool, non_blocking: bool):
-        """DeepSpeed's lp_params offload, with the frozen parameters' partitions handled apart (see
-        above). Its ``reload_states`` reads ``lp_param_contiguous_pin_buffer`` when that exists."""
+    def _lp_host(self, pin_memory: bool, made: list):
+        """What ``_offload_lp_params`` moves into: the flat buffer's host copy, and one for each frozen
+        parameter's partition on the device."""
         opt, acc = self.opt, self.mode.acc
         trainable = opt._get_parameter_partitions()
+        host = self._host_buffer("lp_param_contiguous_pin_buffer", opt.lp_param_buffer.data, pin_memory, made)
+        ids = {id(t) for t in trainable}
+        frozen = []
+        for p in opt.module.parameters():
+            t = getattr(p, "ds_tensor", None)
+            if t is not None and id(t) not in ids and t.device.type != "cpu":
+                pin = pin_memory and acc.device_name() != "cpu"
+                frozen.append((t, t.device, torch.empty_like(t.data, device="cpu", pin_memory=pin)))
+        return host, trainable, frozen
+
+    def _offload_lp_params(self, lp, pin_memory: bool, non_blocking: bool):
+        """DeepSpeed's lp_params offload, with the frozen parameters' partitions handled apart (see
+        above), into ``lp`` (``_lp_host``). Its ``reload_states`` reads ``lp_param_contiguous_pin_buffer``
+        when that exists."""
+        opt = self.opt
+        host, trainable, frozen = lp
         if not pin_memory and hasattr(opt, "lp_param_contiguous_pin_buffer"):
             del opt.lp_param_contiguous_pin_buffer  # DeepSpeed's reload would read it: an older copy
-        host = self._to_host("lp_param_contiguous_pin_buffer", opt.lp_param_buffer.data, pin_memory, non_blocking)
         device_buffer = opt.lp_param_buffer.data
+        _copy(host, device_buffer, non_blocking)
         opt.lp_param_buffer.data = host
         for tensor, offset, numel in get_mapping_to_flat_buffer(trainable):
             tensor.data = host.narrow(0, offset, numel)
@@ -178,23 +325,34 @@ class StateOffload:
                 offset = (flat.data_ptr() - device_buffer.data_ptr()) // size
                 self.fp32_aliases.append(i)
                 flat.data = host.narrow(0, offset, flat.numel())
-        ids = {id(t) for t in trainable}
-        for p in opt.module.parameters():
-            t = getattr(p, "ds_tensor", None)
-            if t is not None and id(t) not in ids and t.device.type != "cpu":
-                self.frozen_on_host.append((t, t.device))
-                target = torch.empty_like(t.data, device="cpu", pin_memory=pin_memory and acc.device_name() != "cpu")
-                target.copy_(t.data, non_blocking=non_blocking)
-                t.data = target
+        for t, home, target in frozen:
+            target.copy_(t.data, non_blocking=non_blocking)
+            t.data = target
+            self.frozen_on_host.append((t, home))
         opt.fp16_partitioned_groups_flat.clear()
         opt.offloaded_states.add(LP)
 
-    def _offload_lp_grads(self, pin_memory: bool, non_blocking: bool):
-        """The flat buffer of gradient partitions to the host (DeepSpeed's pinned buffer when
+    def _reload_lp_rest(self, non_blocking: bool):
+        """After DeepSpeed's reload brought the flat 16-bit buffer back: the masters that are 16-bit
+        partitions and the frozen partitions (their device copies made before any is rebound)."""
+        opt = self.opt
+        for i in self.fp32_aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
+            opt.fp32_partitioned_groups_flat[i].data = opt.fp16_partitioned_groups_flat[i].data
+        self.fp32_aliases = []
+        targets = [tensor.data.to(home, non_blocking=non_blocking) for tensor, home in self.frozen_on_host]
+        for (tensor, _), target in zip(self.frozen_on_host, targets):
+            tensor.data = target
+        frozen, self.frozen_on_host = self.frozen_on_host, []
+        if frozen and non_blocking:
+            self.mode.acc.synchronize()
+
+    def _offload_lp_grads(self, host, non_blocking: bool):
+        """The flat buffer of gradient partitions into ``host`` (DeepSpeed's pinned buffer when
         ``pin_memory``, made once), each parameter's view of it with it."""
         opt = self.opt
         buffer = opt.grad_partitions_flat_buffer
-        buffer.data = self._to_host("lp_grad_partitions_flat_pin_buffers", buffer.data, pin_memory, non_blocking)
+        _copy(host, buffer.data, non_blocking)
+        buffer.data = host
         self._rebind_grad_views()
         opt.averaged_gradients = {}
         opt.offloaded_states.add(LP_GRADS)
@@ -207,17 +365,17 @@ class StateOffload:
         opt.averaged_gradients = {}
         opt.offloaded_states.discard(LP_GRADS)
 
-    def _to_host(self, pin_attr: str, tensor, pin_memory: bool, non_blocking: bool):
-        """``tensor`` copied to the host: into the optimizer's pinned buffer named ``pin_attr``
-        (DeepSpeed's name for it; made at the first call, reused after) when ``pin_memory``, else
-        into a new pageable tensor."""
+    def _host_buffer(self, pin_attr: str, tensor, pin_memory: bool, made: list):
+        """Where ``tensor`` goes on the host: the optimizer's pinned buffer named ``pin_attr`` (DeepSpeed's
+        name for it; made at the first call, reused after, noted in ``made`` when made now) when
+        ``pin_memory``, else a new pageable tensor (``tensor`` itself where it is on the host already)."""
         if not pin_memory:
-            return tensor.to("cpu", non_blocking=non_blocking)
+            return tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
         host = getattr(self.opt, pin_attr, None)
         if host is None:
             host = self.mode.acc.pin_memory(torch.empty_like(tensor, device="cpu"))
             setattr(self.opt, pin_attr, host)
-        host.copy_(tensor, non_blocking=non_blocking)
+            made.append(("attr", pin_attr))
         return host
 
     def _rebind_grad_views(self):
@@ -247,28 +405,35 @@ class StateOffload:
                 if (key == MASTER) == (kind is OffloadStateTypeEnum.hp_params)]
         return [key for key in keys if self.mode.tensors.get(i, key) is not None]
 
-    def _resident_store(self, pin_memory: bool) -> HostStore:
+    def _resident_store(self, pin_memory: bool, made: list) -> HostStore:
         store = self.resident_stores.get(bool(pin_memory))
         if store is None:
             store = HostStore(self.mode.layout.resident_entries, bool(pin_memory), warn_pageable=False,
                               what="engine.offload_states(pin_memory=...)")
             self.resident_stores[bool(pin_memory)] = store
+            made.append(("store", bool(pin_memory)))
         return store
 
     def _move_resident(self, kind, to: Optional[HostStore], non_blocking: bool, device=None,
                        store: Optional[HostStore] = None) -> int:
         """The resident sub-groups' tensors of ``kind`` into host store ``to``, or (``to`` None) from
-        ``store`` back onto ``device``. Returns the bytes."""
+        ``store`` back onto ``device``, every target made before any tensor is rebound (a failure moves
+        none). Returns the bytes."""
+        found = [(self.mode.tensors.get(i, key), i, key) for i in self.mode.resident for key in self._keys(i, kind)]
+        if to is not None:  # (tensor, source, target)
+            moves = [(t, t.data, to.view(i, key)) for t, i, key in found]
+        else:
+            moves = [(t, store.view(i, key), torch.empty_like(store.view(i, key), device=device))
+                     for t, i, key in found]
         moved = 0
-        for i in self.mode.resident:
-            for key in self._keys(i, kind):
-                t = self.mode.tensors.get(i, key)
-                if to is not None:
-                    target = to.view(i, key)
-                    target.copy_(t.data, non_blocking=non_blocking)
-                else:
-                    target = torch.empty_like(store.view(i, key), device=device)
-                    target.copy_(store.view(i, key), non_blocking=non_blocking)
-                t.data = target
-                moved += target.numel() * target.element_size()
+        for t, source, target in moves:
+            target.copy_(source, non_blocking=non_blocking)
+            t.data = target
+            moved += target.numel() * target.element_size()
         return moved
+
+
+def _copy(host, source, non_blocking: bool):
+    """``source`` into ``host``, unless they are the same memory (a pageable "copy" of a host tensor)."""
+    if host.data_ptr() != source.data_ptr():
+        host.copy_(source, non_blocking=non_blocking)
