@@ -71,6 +71,8 @@ class LoadTiming:
         self.steps = 0  # steps that ran to their end
         self.peak_off: Optional[int] = None  # the measured iteration's peak (no early loads)
         self.future: List[int] = []  # per hook of its boundary backward: the highest allocation after it
+        self.future_in_backward: List[int] = []  # ... to the end of backward (the step left out)
+        self.step_figure: Optional[int] = None  # the highest allocation in its step
         self.peak_reserved: Optional[int] = None  # ... and its reserved peak
         self.level: Optional[int] = None  # allocated when its boundary backward began
         self.keys: List[int] = []  # which parameter each hook of its boundary backward was for
@@ -151,12 +153,14 @@ class LoadTiming:
         if self.peak_off is not None:
             self.peak_off += nbytes
             self.future = [f + nbytes for f in self.future]
+            self.future_in_backward = [f + nbytes for f in self.future_in_backward]
+            self.step_figure += nbytes
             self.level += nbytes
             self.peak_reserved += nbytes
 
     def remeasure(self):
         """Measure the next iteration (without early loads) before they resume."""
-        self.future = []
+        self.future, self.future_in_backward = [], []
         self._start_measurement()
 
     def step_begins(self) -> bool:
@@ -210,6 +214,28 @@ class LoadTiming:
         k = min(max(self._hook, 0), len(self.future) - 1)
         return max(0, self.peak_off - self.future[k])
 
+    def backward_allowance(self) -> Optional[float]:
+        """``allowance`` split in two, for a caller that knows what of its early loads outlasts backward
+        (a sub-group updated in backward gives its loaded state back there): the bytes they may hold in
+        all until backward ends (the highest allocation of the rest of backward below the peak), and
+        ``step_allowance``, what of them may still be held when the step begins. Where the measured
+        iteration peaks in its step (a small model: the slots, the fp32 gradients), ``allowance`` is 0
+        all through backward while updates in backward would fit."""
+        total = self.allowance()
+        if total is None or not self.future or self.synchronous or self.early_cap is not None:
+            return total
+        k = min(max(self._hook, 0), len(self.future_in_backward) - 1)
+        return max(0, self.peak_off - self.future_in_backward[k])
+
+    def step_allowance(self) -> float:
+        """Bytes that what was loaded early (and what updates in backward keep) may still hold when the
+        step begins: the measured step's figure below the peak (see ``backward_allowance``)."""
+        if self.synchronous or self.early_cap is not None:
+            return math.inf if self.early_cap is None else self.early_cap
+        if not self.future or self.step_figure is None:
+            return 0
+        return max(0, self.peak_off - self.step_figure)
+
     def prefetch_order(self, streamed: Iterable[int]) -> List[int]:
         """What prefetch loads into the slots, in order, as many as they take: the streamed
         sub-groups that are not kept."""
@@ -256,9 +282,17 @@ class LoadTiming:
         # Backward's (all but the step's) without the slots it prefetched: later iterations load early
         # instead, and take the slots only in the step.
         after = [max(0, peak - self._prefetched) for peak in after[:-1]] + after[-1:]
-        suffix, running = [], 0
-        for peak in reversed(after):
-            running = max(running, peak)
-            suffix.append(running)
-        suffix.reverse()
-        self.future = suffix[:hooks] if hooks else []
+        self.future = _suffix_max(after)[:hooks] if hooks else []
+        self.future_in_backward = _suffix_max(after[:-1])[:hooks] if hooks else []
+        self.future_in_backward += self.future[len(self.future_in_backward):]  # (no tail measured: the step's)
+        self.step_figure = after[-1] if after else self.peak_off
+
+
+def _suffix_max(peaks: List[int]) -> List[int]:
+    """``out[k]``: the highest of ``peaks[k:]``."""
+    suffix, running = [], 0
+    for peak in reversed(peaks):
+        running = max(running, peak)
+        suffix.append(running)
+    suffix.reverse()
+    return suffix

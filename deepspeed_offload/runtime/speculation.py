@@ -152,6 +152,14 @@ class Speculation:
         flat = self.opt.fp16_partitioned_groups_flat[i]
         return flat.numel() * flat.element_size() + self.copy_bytes(i)
 
+    def updates_in_backward(self, i: int) -> bool:
+        """Sub-group ``i``, loaded early in this backward, will be updated before the step (and its loaded
+        state given back): a member of a speculating backward whose gradient was not reduced again, and
+        whose optimizer state exists (the first step creates it)."""
+        if not self._boundary or i not in self.members or i in self.reduced_again:
+            return False
+        return bool(self.base.state.get(self.opt.fp32_partitioned_groups_flat[i]))
+
     def copy_bytes(self, i: int) -> int:
         """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
         second region), given back when the step commits it (``commit``)."""

@@ -250,17 +250,27 @@ class StreamMode:
     def _load_early(self, allowance: float):
         """Load the next offloaded sub-groups, in ``_early_order`` (step order; speculation's members
         first when it speculates), into buffers of their own while the bytes held that way (and by
-        speculated updates) stay within ``allowance`` (``LoadTiming.gradient_ready``)."""
+        speculated updates) stay within ``allowance`` (``LoadTiming.gradient_ready``), and what of it
+        outlasts backward within ``LoadTiming.step_allowance``: a sub-group updated in backward gives
+        its loaded state back there, keeping only what its update keeps for the step."""
         spec = self.speculation
         held = self.table.held_early() + (spec.held_bytes if spec is not None else 0)
+        own = [i for i in self.order if self.table[i].on_device and self.table[i].slot is None]
+        lasting = (spec.held_bytes if spec is not None else 0) + sum(
+            self.table.store_bytes(i) for i in own if spec is None or not spec.updates_in_backward(i))
+        room, step_room = self.timing.backward_allowance(), self.timing.step_allowance()
+        room = allowance if room is None else room
         while self._next_early < len(self._early_order):
             i = self._early_order[self._next_early]
             if not self.table[i].on_device:
-                needed = self.layout.nbytes[i] + (spec.extra_bytes(i) if spec is not None else 0)  # (its update's)
-                if held + needed > allowance:
+                extra = spec.extra_bytes(i) if spec is not None else 0  # (its update's)
+                needed = self.layout.nbytes[i] + extra
+                kept = extra if spec is not None and spec.updates_in_backward(i) else needed
+                if held + needed > room or lasting + kept > step_room:
                     return  # asked again at the next gradient hook, when backward has freed more
                 self._load(i, staged=False, early=True)
                 held += needed
+                lasting += kept
             self._next_early += 1
 
     def _prefetch_into_slots(self, first: List[int], early: bool):

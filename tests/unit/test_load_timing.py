@@ -321,3 +321,40 @@ def test_the_step_prefetches_once_and_only_within_the_share_before_a_measurement
     timing.step_skipped()
     off = LoadTiming(dev, synchronous=True, slot_bytes=5, early_in_backward=True, prefetch=False)
     assert not off.step_begins()
+
+
+def test_where_the_step_is_the_peak_what_backward_gives_back_still_loads_early():
+    """A measured iteration that peaks in its step (a small model: slots and fp32 gradients above the
+    activations): ``allowance`` is 0 all through backward, since whatever loads early might still be held
+    in the step. A sub-group updated in backward gives its state back before the step, so the split
+    allowances let it load (``backward_allowance``) as long as nothing of it outlasts backward
+    (``step_allowance`` is 0), and the iteration's peak holds."""
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=False)
+
+    def run(load_at_hook0=0):
+        dev.alloc(30)  # forward
+        timing.backward_begins(True)
+        seen = []
+        for k in range(3):
+            if k == 0 and load_at_hook0:
+                dev.alloc(load_at_hook0)  # loaded early, updated, given back before the next hook
+            dev.alloc(-10)
+            seen.append((timing.gradient_ready(Param(k)), timing.backward_allowance(), timing.step_allowance()))
+            if k == 0 and load_at_hook0:
+                dev.alloc(-load_at_hook0)
+        timing.step_begins()
+        dev.alloc(60)  # the step's slots and fp32 gradients
+        dev.alloc(-60)
+        timing.step_ends()
+        return seen
+
+    run()
+    run()  # measured
+    assert timing.peak_off == BASE + 80 - 20 and timing.step_figure == timing.peak_off
+    dev.true_peak = 0
+    seen = run(load_at_hook0=30)
+    assert [s[0] for s in seen] == [0, 0, 0]  # the old bound: nothing may load
+    assert [s[1] for s in seen] == [40, 50, 60] and [s[2] for s in seen] == [0, 0, 0], seen
+    assert dev.true_peak <= timing.peak_off
