@@ -4,12 +4,17 @@ the offload block at several settings in one process; per setting, the peak allo
 the iterations after the first three (the overlap's measured iteration is the second).
 
     python tests/e2e/peak_train.py SPEC.json   (SPEC: variants [{"offload": {...}}], out)
+
+``memory_fraction``: the process may take only that share of the device (torch's per-process limit: an
+allocation beyond it runs out of memory, as on a smaller GPU); ``tokens_by_step``: the input's length at
+each step. An out-of-memory error ends the variant's loop and is reported (``oom_at``).
 """
 
 import gc
 import json
 import os
 import sys
+import time
 
 import deepspeed
 import torch
@@ -43,19 +48,30 @@ def run(spec, offload):
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(spec["tokens"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, spec["vocab"], (spec["tokens"], ), device="cuda")
-    peaks, reserved, resident = [], [], []
+    peaks, reserved, resident, seconds = [], [], [], []
+    oom_at = None
     late = spec.get("late_block_from")  # the last block is used from this step on only (hooks that change)
     handle = deepspeed_offload.get_handle(engine)
     for step in range(spec["steps"]):
-        if step == spec.get("grow_at"):  # a longer input from here on (the shapes grow)
-            x = torch.randn(spec["grow_to"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
-            labels = torch.randint(0, spec["vocab"], (spec["grow_to"], ), device="cuda")
+        tokens = spec["grow_to"] if step >= spec.get("grow_at", spec["steps"]) else spec["tokens"]
+        if spec.get("tokens_by_step"):
+            tokens = spec["tokens_by_step"][step]
+        if tokens != x.shape[0]:  # a longer input from here on (the shapes grow)
+            del x, labels
+            x = torch.randn(tokens, spec["hidden"], device="cuda", dtype=torch.bfloat16)
+            labels = torch.randint(0, spec["vocab"], (tokens, ), device="cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()  # (the policy resets them too, while it measures)
         blocks = None if late is None or step >= late else spec["blocks"] - 1
-        engine.backward(engine(x, labels, blocks))
-        engine.step()
+        started = time.perf_counter()
+        try:
+            engine.backward(engine(x, labels, blocks))
+            engine.step()
+        except torch.cuda.OutOfMemoryError as e:
+            oom_at = {"step": step, "tokens": tokens, "error": str(e)[:300]}
+            break
         torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
         peaks.append(torch.cuda.max_memory_allocated())
         reserved.append(torch.cuda.memory_reserved())  # (the reserved peak: the allocator never gives any back)
         resident.append(len(handle.resident))
@@ -65,7 +81,8 @@ def run(spec, offload):
     out = {"peaks": peaks, "reserved": reserved, "slot_bytes": handle.slot_bytes, "loaded_early": stats["loaded_early"],
            "sub_groups": len(handle.order), "between": torch.cuda.memory_allocated(),
            "divergences": handle.timing.divergences, "measurements": handle.timing.measurements,
-           "speculation": spec_counters, "resident": resident,
+           "speculation": spec_counters, "resident": resident, "seconds": seconds, "oom_at": oom_at,
+           "give_backs": None if handle.plan is None else handle.plan.give_backs,
            "limit": None if handle.plan is None else handle.plan.limit,
            "margin": None if handle.plan is None else handle.plan.margin}
     del engine, handle, model
@@ -76,6 +93,8 @@ def run(spec, offload):
 
 def main():
     spec = json.load(open([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]))
+    if spec.get("memory_fraction"):
+        torch.cuda.set_per_process_memory_fraction(spec["memory_fraction"])
     deepspeed.init_distributed()
     result = {"variants": [run(spec, v["offload"]) for v in spec["variants"]]}
     torch.save(result, spec["out"])

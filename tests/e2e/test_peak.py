@@ -13,6 +13,9 @@ from harness import HERE, launch
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 
 SPEC = dict(hidden=2048, blocks=8, vocab=32000, tokens=8192, steps=6)
+# sequences that grow past the margin at once, in a process limited to GROWING_GIB of the device
+GROWING = dict(SPEC, steps=10, tokens_by_step=[4096] * 4 + [16384] * 2 + [8192] * 2 + [16384] * 2)
+GROWING_GIB = 12
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device memory to measure)")
@@ -89,3 +92,28 @@ def test_the_measured_plan_keeps_what_fits_and_gives_back_when_the_shapes_grow(t
     assert min(resident[6:]) < max(resident[2:6]), resident  # given back once the shapes grew
     assert run["measurements"] >= 2, run
     assert max(run["reserved"][:6]) <= run["limit"], (run["reserved"], run["limit"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device memory to measure)")
+def test_the_measured_plan_gives_back_before_a_longer_sequence_runs(tmp_path):
+    """Sequences that grow by more than the plan's margin at once (4096 tokens, then 16384, 8192, 16384), in
+    a process that may take 12 GiB of the device (an allocation beyond it runs out of memory, as on a
+    smaller GPU). At the defaults the plan keeps resident what fits the first length; before each longer
+    forward it predicts the iteration from the ones measured and gives state back first, so the
+    schedule trains to its end wherever everything offloaded (budget 0) does. (Reacting after an
+    iteration, as the plan did before, runs out of memory at the first longer one.)"""
+    spec = dict(GROWING, memory_fraction=GROWING_GIB * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    gib = GROWING_GIB
+    block = {"enabled": True, "mode": "stream", "sub_group_mb": 64}
+    defaults, budget0 = _runs(tmp_path, "grow_seq", spec, [dict(block, max_device_memory_gb=gib),
+                                                           dict(block, memory_budget_gb=0)])
+    summary = (f"defaults: resident {defaults['resident']}, s {[round(t, 3) for t in defaults['seconds']]}, "
+               f"oom {defaults['oom_at']}; budget 0: s {[round(t, 3) for t in budget0['seconds']]}, "
+               f"oom {budget0['oom_at']}")
+    print(summary)
+    (tmp_path / "summary.txt").write_text(summary + "\n")
+    assert budget0["oom_at"] is None, summary  # the schedule fits with everything offloaded
+    assert defaults["oom_at"] is None, summary
+    resident = defaults["resident"]
+    assert max(resident[1:4]) > 0 and resident[-1] < max(resident[1:4]), summary  # kept, then given back
+    assert defaults["give_backs"] >= 1, summary
