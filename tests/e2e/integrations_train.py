@@ -55,6 +55,8 @@ def ds_config(spec, auto):
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}
     if spec.get("offload"):
         cfg["optimizer_state_offload"] = dict(spec["offload"])
+    if spec.get("clip") is not None:
+        cfg["gradient_clipping"] = spec["clip"]
     return cfg
 
 
@@ -175,6 +177,11 @@ def main():
     handle = deepspeed_offload.get_handle(engine)
     result = {"params": full_params(engine), "global_steps": engine.global_steps,
               "stats": handle.step_stats() if handle is not None else None, **seen}
+    if handle is not None:  # what explains the stats: the load policy's measurements, speculation's counters
+        spec_ = getattr(handle, "speculation", None)
+        result["diagnosis"] = {"measurements": handle.timing.measurements, "divergences": handle.timing.divergences,
+                               "steps": handle.steps, "overlap": handle.overlap,
+                               "speculation": None if spec_ is None else spec_.counters.as_dict()}
     import deepspeed
     if engine.global_rank == 0:
         torch.save(result, spec["out"])
