@@ -147,6 +147,8 @@ class StateOffload:
 
         self._agree("engine.reload_states()", error, "every rank's states are off the device again, as before "
                     "the call", undo=undo)
+        if self.mode.plan is not None:  # the rollout's memory is the device's again: the plan may take state back
+            self.mode.plan.memory_returned(self.mode)
 
     def wait_for_copies(self):
         """Before the CPU reads the resident sub-groups' host copy: a non-blocking offload has landed."""

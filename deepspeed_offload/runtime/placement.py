@@ -20,15 +20,21 @@ host memory read before anyone pinned):
 **After the measuring iteration** (``MeasuredPlan``, budget unset, on a device with memory of its
 own): the iteration's reserved peak is known with the state offloaded as above, so the plan keeps
 resident as many more of the streamed sub-groups as fit below the device limit (``max_device_memory_gb``,
-or what this process can have of the device) less ``MARGIN``. Early loads, speculation's updates
-and the staging slots were in that peak; each sub-group made resident adds its bytes to it. When an
-iteration later reserves more than the limit less half the margin (the shapes grew: a longer
-sequence; or the allocator reserved more around the resident state than its bytes), the plan gives
-back what it made resident, as much as the excess and half the margin, widens its margin by what it
-missed (so that the next measurement does not make the same state resident again) and asks for a new
-measurement. An iteration that grows by more than the margin at once runs out of device memory
-before anything can react: set ``max_device_memory_gb`` below the device, or run the largest shape
-in the first two iterations.
+or what this process can have of the device) less ``MARGIN`` and less what the largest input of the
+last ``RECENT_STEPS`` steps needs beyond the measured one. Early loads, speculation's updates and the
+staging slots were in that peak; each sub-group made resident adds its bytes to it.
+
+The placement follows the input while training runs. Every applied step teaches ``IterationMemory``
+(``iteration_memory.py``) what an iteration needs beside the state for its input's size. Before a
+training forward whose input is larger than the placement was made for, ``before_forward`` predicts
+its need and, where it does not fit beside the resident state, gives back what the plan made
+resident (last first) before the forward runs. When the large inputs leave the recent window, or
+``reload_states()`` gives memory back, the plan empties the device's cache and measures again, and
+the measurement takes state back. As a last resort, when an iteration reserves more than the limit
+less half the margin (the allocator reserving more around the resident state than its bytes), the
+plan gives back enough to restore the margin after the step, widens its margin by what it missed and
+measures again. What remains: a first iteration larger than the device allows (nothing has been
+measured yet), and an input whose need grows faster than the fit's power of two.
 """
 
 import os
@@ -258,7 +264,9 @@ class MeasuredPlan:
         resident_bytes = probe.resident_bytes(resident)
         numel = step.input_numel
         if numel and mode.forward_level is not None:
-            self.memory.add(numel, mode.forward_level - resident_bytes, mode.memory.window_peak() - mode.forward_level)
+            peak = mode.memory.window_peak()
+            self.memory.add(numel, mode.forward_level - resident_bytes, peak - mode.forward_level,
+                            mode.memory.window_reserved() - peak)
             self.recent.append(numel)
         planning = max(self.recent, default=0)
         measured = mode.timing.measurements > self._measurements_seen
@@ -282,6 +290,15 @@ class MeasuredPlan:
         if measured or give_back:
             self._log(mode, resident + len(promote) - len(give_back))
         return resident + len(promote) - len(give_back) if promote or give_back else None
+
+    def memory_returned(self, mode):
+        """Device memory came back (``reload_states()`` after a rollout): with the limit derived, it is
+        read again (what this process can have now), and the next iteration is measured, after which the
+        plan keeps resident what fits again."""
+        if mode.cfg.max_device_memory_gb is None:
+            self.limit = device_limit(mode.memory, None)
+        mode.memory.empty_cache()
+        mode.timing.remeasure()
 
     def before_forward(self, mode, numel: int) -> Optional[int]:
         """A training forward is about to take an input of ``numel`` elements: if it is larger than the

@@ -1,0 +1,73 @@
+"""IterationMemory: what an iteration needs beside the state, predicted for an input before its forward
+runs; DeviceMemory: the iteration's peak kept across the load policy's resets."""
+
+import pytest
+
+from deepspeed_offload.runtime.iteration_memory import DeviceMemory, IterationMemory
+
+
+def test_one_size_seen_grows_in_proportion_and_never_below_what_was_measured():
+    m = IterationMemory()
+    assert m.predict(100) is None  # nothing measured: no prediction
+    m.add(100, base=50, growth=200, slack=10)
+    assert m.predict(100) == 50 + 200 + 10
+    assert m.predict(50) == 50 + 200 + 10  # a smaller input: at most what was measured, never less
+    assert m.predict(300) == 50 + 600 + 10  # in proportion to the input (power 1)
+
+
+@pytest.mark.parametrize("power", [1.0, 1.5, 2.0])
+def test_two_sizes_give_the_power_and_it_stays_between_one_and_two(power):
+    m = IterationMemory()
+    m.add(100, base=0, growth=1000)
+    m.add(200, base=0, growth=int(1000 * 2 ** power))
+    assert m.power() == pytest.approx(power, rel=1e-3)
+    assert m.predict(400) == pytest.approx(1000 * 4 ** power, rel=1e-3)
+    m.add(400, base=0, growth=int(1000 * 4 ** power) * 8)  # faster than quadratic: clamped at 2
+    assert m.power() == 2.0
+
+
+def test_the_largest_sizes_slack_is_added():
+    m = IterationMemory()
+    m.add(100, base=0, growth=100, slack=500)  # a small input after a large one: the cache inflates its slack
+    m.add(200, base=0, growth=200, slack=30)
+    assert m.predict(200) == 230 and m.predict(400) == 400 + 30
+
+
+class Counters:
+    """An accelerator's peak statistics."""
+
+    def __init__(self):
+        self.allocated = self.peak = self.reserved = self.peak_reserved = 0
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def max_memory_reserved(self):
+        return self.peak_reserved
+
+    def reset_peak_memory_stats(self):
+        self.peak, self.peak_reserved = self.allocated, self.reserved
+
+
+def test_the_window_keeps_the_peak_across_the_load_policys_resets():
+    acc = Counters()
+    mem = DeviceMemory(acc)
+    acc.alloc(10)
+    assert mem.open_window() == 10
+    acc.alloc(90)  # 100: the iteration's peak
+    acc.alloc(-60)
+    mem.reset_peak_memory_stats()  # the load policy, measuring, resets at a gradient hook
+    acc.alloc(20)
+    assert mem.window_peak() == 100 and acc.max_memory_allocated() == 60
+    assert mem.window_reserved() == 100
+    mem.open_window()
+    assert mem.window_peak() == 60
