@@ -1,7 +1,8 @@
 """Stream mode: the ZeRO-3 step with optimizer state streamed from the host store.
 
 Read this file top to bottom to see the whole step; ``hooks.py`` says where DeepSpeed calls each
-of its verbs. The pieces it drives, each once per phase: ``layout.py`` (what moves),
+of its verbs, and ``step.py`` owns each optimizer step (DeepSpeed's outcome closes it, and everything
+between steps runs from that close). The pieces it drives, each once per phase: ``layout.py`` (what moves),
 ``host_store.py`` (where it lives between steps), ``residency.py`` (each sub-group's phase, and
 what waits on what), ``copies.py`` (the copy executor: streams and events on a GPU, synchronous on
 the CPU accelerator), ``load_timing.py`` (when sub-groups may load early), ``speculation.py``
@@ -29,10 +30,13 @@ One iteration, with ``overlap`` on (the default)::
                          sub-groups that were there before it: ``_stage_ahead``)
         compute stream:  wait(load k); prepare, clip, optimizer.step(), copy to bf16, in its place
         d2h stream:      write back k from its place (after the update of k)
-                ``send_out``: written back, its place free for the next loads; at the last one the
-                CPU waits for every write-back (``_end_step``): between steps the device holds none
-                of the offloaded state.
-    after:      ``between_steps``: the measured plan may keep more sub-groups resident (``_place``).
+                ``send_out``: written back, its place free for the next loads. When DeepSpeed's loop
+                is over (``updates_done``, at its ``_post_step``) the CPU waits for every write-back:
+                between steps the device holds none of the offloaded state.
+    after:      ``step_applied`` and ``between_steps`` (``StepLifecycle.close``, once per step, whatever
+                streamed): the statistics, and the measured plan's moves (``_place``).
+    forward:    ``forward_begins``: the measured plan may give state back before an input larger than
+                it planned for runs (``placement.py``, ``iteration_memory.py``).
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first sub-groups into
 the two slots, as many as they take. DeepSpeed's tensor objects never change; only their ``.data``
