@@ -1,0 +1,98 @@
+"""Batches that grow while training runs, on a plain Hugging Face ``LlamaForCausalLM`` (not the bench's
+model): ``zero.Init``, bf16, FusedAdam, ``gradient_checkpointing_enable()`` with no arguments (HF's
+default: reentrant), DeepSpeed's defaults for everything the ds_config leaves out. Per iteration: the
+batch, seconds (synchronized), peak allocated and reserved GiB, the resident and streamed sub-groups;
+an out-of-memory error ends the run and is reported.
+
+    deepspeed --num_gpus 1 benchmarks/grow.py --mode default --batches 8,8,8,8,9,9,10,10,11,11,12,12,14,14 \\
+        --out grow-default.json
+
+``--mode``: ``plain`` (no offload block), ``default`` (the block, nothing else set), ``budget0``
+(``memory_budget_gb: 0``), ``budget0-nospec`` (and ``speculate_memory_gb: 0``).
+"""
+
+import argparse
+import json
+import time
+
+import deepspeed
+import torch
+
+import deepspeed_offload
+from deepspeed_offload.bench.models import LLAMA_PRESETS
+
+BLOCKS = {"plain": None, "default": {"enabled": True}, "budget0": {"enabled": True, "memory_budget_gb": 0},
+          "budget0-nospec": {"enabled": True, "memory_budget_gb": 0, "speculate_memory_gb": 0}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=list(BLOCKS), required=True)
+    ap.add_argument("--preset", default="llama2-7b", choices=list(LLAMA_PRESETS))
+    ap.add_argument("--batches", default="8,8,8,8,9,9,10,10,11,11,12,12,14,14")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--non-reentrant", action="store_true", help="gradient_checkpointing_kwargs use_reentrant False")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from deepspeed.ops.adam import FusedAdam
+
+    deepspeed.init_distributed()
+    deepspeed.utils.logging.set_log_level_from_string("info")
+    batches = [int(b) for b in args.batches.split(",")]
+    shape = LLAMA_PRESETS[args.preset]
+    cfg = {"train_micro_batch_size_per_gpu": batches[0], "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+           "steps_per_print": 10**9}
+    if BLOCKS[args.mode] is not None:
+        cfg["optimizer_state_offload"] = BLOCKS[args.mode]
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=args.seq, use_cache=False,
+                         torch_dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = LlamaForCausalLM(config)
+    if args.non_reentrant:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable()
+    optimizer = FusedAdam(model.parameters(), lr=1e-5)
+    engine, _, _, _ = deepspeed_offload.initialize(model=model, optimizer=optimizer, config=cfg)
+    handle = deepspeed_offload.get_handle(engine)
+    setup_s = time.perf_counter() - t0
+    rows, oom = [], None
+    gen = torch.Generator().manual_seed(0)
+    for k, batch in enumerate(batches):
+        ids = torch.randint(0, shape["vocab"], (batch, args.seq), generator=gen).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        try:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError as e:
+            oom = {"iteration": k, "batch": batch, "error": str(e).splitlines()[0][:300]}
+            print(f"[grow] out of memory at iteration {k}, batch {batch}: {oom['error']}", flush=True)
+            break
+        row = {"iteration": k, "batch": batch, "s": time.perf_counter() - started,
+               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+               "reserved_gib": torch.cuda.memory_reserved() / 2**30}
+        if handle is not None:
+            stats = handle.step_stats() or {}
+            row.update(resident=len(handle.resident), streamed=len(handle.order),
+                       speculated=stats.get("speculated"), committed=stats.get("committed"))
+        rows.append(row)
+        print(f"[grow] {json.dumps(row)}", flush=True)
+    result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
+              "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
+              "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
