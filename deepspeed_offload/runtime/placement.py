@@ -280,6 +280,9 @@ class MeasuredPlan:
             promote, give_back = [], self.after_step(mode.memory.memory_reserved(), probe.nbytes)
             if planning and planning < self.planned_numel and not mode.timing.measuring:
                 # the large inputs left the window: measure again, and keep what the smaller ones leave room for
+                log_dist(f"[deepspeed-offload] measured plan: the largest input of the last {len(self.recent)} steps "
+                         f"has {planning:,} elements, below the {self.planned_numel:,} the placement was made for; "
+                         "measuring the next iteration to take state back", ranks=[0])
                 self.planned_numel = planning
                 self.take_backs += 1
                 mode.memory.empty_cache()  # the larger iterations' cached blocks would count in the measurement

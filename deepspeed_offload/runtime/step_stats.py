@@ -1,7 +1,21 @@
 """``StepStats``: what one streamed step moved and where its time went, recorded without a device
-synchronization (device timings are events, resolved when the stats are read)."""
+synchronization (device timings are events, resolved when the stats are read), and the step line
+logged every ``steps_per_print`` steps (``line``).
 
-from typing import Dict, List
+The keys of ``step_stats()``: ``bytes_h2d`` / ``bytes_d2h`` (state copied to / from the device),
+``offloaded`` / ``resident`` (sub-groups streamed / kept on the device this step), ``sub_groups``
+(updated by the step itself), ``committed`` (updated in backward, taken by the step: ``sub_groups +
+committed == offloaded``), ``speculated`` / ``discarded`` (updated in backward / rolled back),
+``loaded_early`` (in backward), ``loaded_in_step`` (in the step, ``loaded_at_entry`` of them while
+DeepSpeed computed the norm), ``h2d_wait_s`` (the compute stream waiting for loads: exposed copy
+time), ``update_s``, ``d2h_s`` (device seconds), ``step_s`` (wall seconds in DeepSpeed's
+``step()``), ``iteration_s`` (wall seconds from the step's first forward to its end),
+``input_numel`` (its largest forward input, in elements).
+"""
+
+from typing import Dict, List, Optional
+
+from ..host_memory import format_bytes
 
 
 class StepStats:
@@ -42,3 +56,17 @@ class StepStats:
         for kind, spans in self._spans.items():
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
         return out
+
+    def line(self, index: int, host_pinned: int, allocated: int, reserved: int) -> str:
+        """The step line (rank 0, every ``steps_per_print`` steps, DeepSpeed's logger at info)."""
+        s = self.resolve()
+
+        def sec(v: Optional[float]) -> str:
+            return "-" if v is None else f"{v:.3f} s"
+
+        return (f"[deepspeed-offload] step {index}: iteration {sec(s['iteration_s'])}, step {sec(s['step_s'])}, "
+                f"copy wait {s['h2d_wait_s']:.3f} s; sub-groups {s['resident']} resident, {s['offloaded']} streamed "
+                f"({s['loaded_early']} loaded in backward); updates in backward {s['speculated']} speculated, "
+                f"{s['committed']} committed, {s['discarded']} rolled back; moved {format_bytes(s['bytes_h2d'])} in, "
+                f"{format_bytes(s['bytes_d2h'])} out; host pinned {format_bytes(host_pinned)}; device "
+                f"{format_bytes(allocated)} allocated, {format_bytes(reserved)} reserved")

@@ -48,11 +48,12 @@ failure while this class is built undoes what it did.
 """
 
 import itertools
+import logging
 import time
 from typing import Dict, List, Optional
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import log_dist
+from deepspeed.utils import log_dist, logger
 
 from ..config import OffloadConfig
 from ..handle import HANDLE_ATTR
@@ -424,6 +425,10 @@ class StreamMode:
         stats.resident = len(self.resident)
         stats.step_s, stats.iteration_s, stats.input_numel = step.step_s, step.iteration_s, step.input_numel
         self.last_stats, self.stats = stats, None
+        every = self.engine.steps_per_print() if callable(getattr(self.engine, "steps_per_print", None)) else None
+        if every and step.index % every == 0 and logger.isEnabledFor(logging.INFO):
+            log_dist(stats.line(step.index, self.store.pinned_bytes, self.memory.memory_allocated(),
+                                self.memory.memory_reserved()), ranks=[0])
 
     # ------------------------------------------------------------------ a step that did not run
 

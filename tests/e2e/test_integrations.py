@@ -52,6 +52,7 @@ def hf(tmp_path_factory):
 def test_hf_trainer_offloads_and_matches_plain_zero3(hf):
     assert hf["plain"]["stats"] is None  # the plain run had no offload
     assert moved(hf["stopped"]) and hf["stopped"]["global_steps"] == 4
+    assert hf["stopped"]["diagnosis"]["steps"] == 4  # the Trainer's steps, each closed once
     assert_params_equal(hf["stopped"]["params"], hf["plain"]["params_at"][4])
 
 
@@ -65,7 +66,7 @@ def test_hf_trainer_rotation_waits_for_the_async_write(hf):
 
 def test_hf_trainer_resume_is_exact(hf):
     resumed = hf["resumed"]
-    assert moved(resumed) and resumed["global_steps"] == 6
+    assert moved(resumed) and resumed["global_steps"] == 6 and resumed["diagnosis"]["steps"] == 2
     assert_params_equal(resumed["params"], hf["plain"]["params"])  # = an uninterrupted run, offload or not
     assert list(resumed["saves"]) == [6] and list(resumed["saves"][6]) == ["checkpoint-6"]
 
@@ -80,6 +81,7 @@ def test_accelerate_loop(tmp_path):
     r = run({"framework": "accelerate", "dir": str(tmp_path / "acc"), "max_steps": 12, "save_at": [4, 8, 12],
              "gas": 2, "clip": 1e9, "offload": OFFLOAD, **slow_writes("pytorch_model", 0.5)}, tmp_path, "accelerate")
     assert r["plain_has_offload"] is False and moved(r) and r["global_steps"] == 6
+    assert r["diagnosis"]["steps"] == 6  # one step closed per optimizer step, under Accelerate's accumulation
     counters = r["diagnosis"]["speculation"]
     assert r["stats"]["speculated"] > 0 and counters["committed"] > 0, str((r["stats"], r["diagnosis"]))
     assert counters["committed"] + counters["discarded"] == counters["speculated"], counters

@@ -1,7 +1,10 @@
 """The H200 benchmark runs committed in benchmarks/results/ (one GPU each; a two-GPU run's name ends
 in -2gpus): the CLI's estimate and the bench's chart and completeness are checked against them."""
 
+import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-RUNS = sorted(p for p in RESULTS.glob("*.json") if not p.stem.endswith("-2gpus"))
+# (what `deepspeed-offload bench` wrote: its modes under "results"; benchmarks/grow.py's runs are not)
+RUNS = sorted(p for p in RESULTS.glob("*.json") if not p.stem.endswith("-2gpus")
+              and "results" in json.loads(p.read_text()))

@@ -71,3 +71,15 @@ def test_the_window_keeps_the_peak_across_the_load_policys_resets():
     assert mem.window_reserved() == 100
     mem.open_window()
     assert mem.window_peak() == 60
+
+
+def test_the_step_line_says_one_number_per_thing():
+    from deepspeed_offload.runtime.step_stats import StepStats
+    stats = StepStats(copies=None)
+    stats.offloaded, stats.resident, stats.speculated, stats.committed = 40, 122, 40, 40
+    stats.bytes_h2d = stats.bytes_d2h = 3 * 2**30
+    stats.step_s, stats.iteration_s = 0.5, 7.0
+    line = stats.line(20, host_pinned=117 * 2**30, allocated=80 * 2**30, reserved=130 * 2**30)
+    assert line.startswith("[deepspeed-offload] step 20: iteration 7.000 s, step 0.500 s, copy wait 0.000 s")
+    assert "122 resident, 40 streamed" in line and "40 speculated, 40 committed, 0 rolled back" in line
+    assert "host pinned 117.00 GiB" in line and "80.00 GiB allocated, 130.00 GiB reserved" in line
