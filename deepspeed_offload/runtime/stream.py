@@ -49,6 +49,7 @@ failure while this class is built undoes what it did.
 
 import itertools
 import logging
+import math
 import time
 from typing import Dict, List, Optional
 
@@ -260,23 +261,32 @@ class StreamMode:
         its loaded state back there, keeping only what its update keeps for the step."""
         spec = self.speculation
         held = self.table.held_early() + (spec.held_bytes if spec is not None else 0)
-        own = [i for i in self.order if self.table[i].on_device and self.table[i].slot is None]
-        lasting = (spec.held_bytes if spec is not None else 0) + sum(
-            self.table.store_bytes(i) for i in own if spec is None or not spec.updates_in_backward(i))
         room, step_room = self.timing.backward_allowance(), self.timing.step_allowance()
         room = allowance if room is None else room
+        lasting = None  # what early loads and updates hold into the step: counted once a load fits `room`
         while self._next_early < len(self._early_order):
             i = self._early_order[self._next_early]
             if not self.table[i].on_device:
                 extra = spec.extra_bytes(i) if spec is not None else 0  # (its update's)
                 needed = self.layout.nbytes[i] + extra
-                kept = extra if spec is not None and spec.updates_in_backward(i) else needed
-                if held + needed > room or lasting + kept > step_room:
+                if held + needed > room:
                     return  # asked again at the next gradient hook, when backward has freed more
+                if step_room != math.inf:
+                    lasting = self._held_into_step() if lasting is None else lasting
+                    lasting += extra if spec is not None and spec.updates_in_backward(i) else needed
+                    if lasting > step_room:
+                        return
                 self._load(i, staged=False, early=True)
                 held += needed
-                lasting += kept
             self._next_early += 1
+
+    def _held_into_step(self) -> int:
+        """Device memory that what was loaded early and what the updates keep will still hold when the
+        step begins: the updates' casts and copies, and the loaded sub-groups no update gives back."""
+        spec = self.speculation
+        own = [i for i in self.order if self.table[i].on_device and self.table[i].slot is None]
+        return (spec.held_bytes if spec is not None else 0) + sum(
+            self.table.store_bytes(i) for i in own if spec is None or not spec.updates_in_backward(i))
 
     def _prefetch_into_slots(self, first: List[int], early: bool):
         """The step's first streamed sub-groups (``first``, in its order) into their places in the
