@@ -15,6 +15,7 @@ import time
 
 from .config import validate
 from .ds_config import load_ds_config
+from .framework_fill import FRAMEWORKS, fill, has_auto, parse_set, strict_json
 from .errors import BLOCK, ConfigError
 from .env_settings import read_env
 from .estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes,
@@ -52,8 +53,17 @@ def positive_float(text: str) -> float:
 
 
 def cmd_check(ns) -> int:
+    fills = ""
     try:
         ds_config = load_ds_config(ns.config)
+        framework = ns.framework or ("hf" if has_auto(ds_config) else None)
+        if framework is not None and os.path.isfile(ns.config):
+            strict_json(ns.config)
+        if framework is not None or ns.set:
+            ds_config, filled = fill(ds_config, framework or "hf", parse_set(ns.set), ns.hidden_size,
+                                     ns.world_size or 1)
+            who = {"hf": "the HF Trainer", "accelerate": "Accelerate", None: "--set"}[framework]
+            fills = f"; checked as {who} fills it ({', '.join(f'{k}={v}' for k, v in filled.items())})" if filled else ""
         plan = validate(ds_config, strict_when_disabled=True, world_size=ns.world_size)
         if plan is not None:
             read_env()  # the DS_OFFLOAD_* variables, as attach will read them
@@ -65,7 +75,7 @@ def cmd_check(ns) -> int:
         print(f"deepspeed-offload: {where}{e}", file=sys.stderr)
         return 2
     if plan is None:
-        print(f"{ns.config}: OK; {BLOCK} absent or disabled: plain DeepSpeed, nothing offloaded")
+        print(f"{ns.config}: OK; {BLOCK} absent or disabled: plain DeepSpeed, nothing offloaded{fills}")
         return 0
     o = plan.offload
     origin = "from sub_group_mb" if plan.sub_group_size_set_by_us else "set by zero_optimization"
@@ -73,7 +83,7 @@ def cmd_check(ns) -> int:
     speculate = "derived from the host" if o.speculate_memory_gb is None else f"{o.speculate_memory_gb:g} GiB"
     print(f"{ns.config}: OK; mode {plan.mode}, sub_group_size {plan.sub_group_size} elements ({origin}), "
           f"pin_memory {o.pin_memory}, overlap {o.overlap}, prefetch {o.prefetch}, resident budget {budget}, "
-          f"speculation {speculate}{host_line}")
+          f"speculation {speculate}{host_line}{fills}")
     return 0
 
 
@@ -250,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "micro batch x accumulation steps x world size (default: any world size the batch sizes allow)")
     check.add_argument("--ranks-per-node", type=positive_int, default=1,
                        help="ranks whose host stores share this host")
+    check.add_argument("--framework", choices=FRAMEWORKS, default=None,
+                       help="check the config as this framework launches it: read with json.load, each \"auto\" "
+                       "filled as it fills it (default: hf when the config has \"auto\" values)")
+    check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="a value the framework takes from your arguments (a dotted ds_config key, e.g. "
+                       "train_micro_batch_size_per_gpu=4 or bf16.enabled=true); repeatable")
+    check.add_argument("--hidden-size", type=positive_int, default=None,
+                       help="the model's hidden_size: fills the zero_optimization bucket sizes the frameworks derive "
+                       "from it")
     check.set_defaults(func=cmd_check)
 
     est = sub.add_parser("estimate",

@@ -242,3 +242,36 @@ def test_digest_throughput_is_measured(capsys):
     assert digest_throughput(gib=1 / 64) > 0
     assert cli_main(["digest", "--gib", "0.02"]) == 0
     assert "GB/s" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- check: what frameworks launch
+
+HF_CONFIG = RESULTS.parents[1] / "examples" / "ds_config_hf.json"
+
+
+def test_check_reads_a_frameworks_config_with_auto_as_the_framework_fills_it(capsys):
+    assert cli_main(["check", str(HF_CONFIG)]) == 0  # the project's own HF config: its "auto" values filled
+    out = capsys.readouterr().out
+    assert "checked as the HF Trainer fills it" in out and "gradient_clipping=1.0" in out, out
+    assert cli_main(["check", str(HF_CONFIG), "--framework", "accelerate", "--set",
+                     "train_micro_batch_size_per_gpu=4"]) == 0
+    out = capsys.readouterr().out
+    assert "as Accelerate fills it" in out and "train_micro_batch_size_per_gpu=4" in out, out
+
+
+def test_check_refuses_what_json_load_refuses_in_a_frameworks_config(tmp_path, capsys):
+    text = '{"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3,},\n' \
+           ' "optimizer_state_offload": {"enabled": true}}'
+    cfg = tmp_path / "hf.json"
+    cfg.write_text(text)
+    assert cli_main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "json.load" in err and "line 1" in err, err
+    plain = tmp_path / "plain.json"  # no "auto": a plain DeepSpeed config, read as DeepSpeed reads it (hjson)
+    plain.write_text(text.replace('"auto"', "1"))
+    assert cli_main(["check", str(plain)]) == 0
+
+
+def test_check_set_names_a_bad_pair(tmp_path, capsys):
+    assert cli_main(["check", str(HF_CONFIG), "--set", "gradient_clipping"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
