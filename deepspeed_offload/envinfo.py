@@ -30,7 +30,8 @@ import sys
 import time
 from importlib import metadata
 
-from .host_memory import HostMemory, format_bytes, gpu_bus_id, meminfo, numa_nodes, pci_numa_node
+from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, meminfo, memlock_limit, numa_nodes,
+                          pci_numa_node)
 
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
@@ -181,7 +182,7 @@ def probe_nccl():
 
 def probe_memlock_limit():
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return {"soft": _limit(soft), "hard": _limit(hard)}
+    return {"soft": _limit(soft), "hard": _limit(hard), "cap_ipc_lock": can_lock_any_amount()}
 
 
 def probe_host_memory():
@@ -200,8 +201,8 @@ def probe_cgroup_memory_limit():
 def probe_pinnable_host_memory():
     """What the host stores could pin at most: the usable host memory, bounded by the memlock soft limit."""
     bounds = {"usable host memory": HostMemory.read().usable}
-    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    if soft != resource.RLIM_INFINITY:
+    soft = memlock_limit()  # (None: unlimited, or lifted by CAP_IPC_LOCK)
+    if soft is not None:
         bounds["memlock limit (ulimit -l)"] = soft
     limited_by = min(bounds, key=bounds.get)
     return {"bytes": bounds[limited_by], "limited_by": limited_by}
@@ -341,7 +342,8 @@ FORMATS = {
     "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "
                                     f"PCI {d['pci']}, NUMA node {d['numa_node']}" for i, d in enumerate(ds)),
     "numa_nodes": lambda v: f"{len(v)} ({', '.join(map(str, v))})",
-    "memlock_limit": lambda v: f"soft {_fmt_bytes(v['soft'])}, hard {_fmt_bytes(v['hard'])}",
+    "memlock_limit": lambda v: (f"soft {_fmt_bytes(v['soft'])}, hard {_fmt_bytes(v['hard'])}"
+                                + ("; not binding: this process has CAP_IPC_LOCK" if v.get("cap_ipc_lock") else "")),
     "host_memory": lambda v: (f"{format_bytes(v['available'])} available of {format_bytes(v['total'])}; the "
                               f"stores may pin {format_bytes(v['usable'])}"),
     "cgroup_memory_limit": lambda v: v if isinstance(v, str) else

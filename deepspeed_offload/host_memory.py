@@ -95,10 +95,23 @@ def cgroup_memory(root: str = "/") -> "tuple[Optional[int], Optional[int]]":
     return None, None
 
 
+CAP_IPC_LOCK = 14  # linux/capability.h: locking memory beyond RLIMIT_MEMLOCK
+
+
+def can_lock_any_amount() -> bool:
+    """This process has CAP_IPC_LOCK (root in most containers): the kernel does not hold it to ``ulimit -l``."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        return bool(int(caps, 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        return False
+
+
 def memlock_limit() -> Optional[int]:
-    """This process's locked-memory limit (``ulimit -l``) in bytes; None when unlimited."""
+    """What this process may lock (``ulimit -l``) in bytes; None when unlimited, or when CAP_IPC_LOCK lifts it."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else soft
+    return None if soft == resource.RLIM_INFINITY or can_lock_any_amount() else soft
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,9 @@ def check_engine(engine, plan: Plan):
                               "DeepCompile keeps one pass table and one schedule per process, so a second engine's "
                               "pass would replace the first's. Use mode 'stream' for this engine, or detach the "
                               "other first (deepspeed_offload.get_handle(engine).detach())")
-    if len(opt.fp16_groups) == 1:
+    # (one sub-group because the whole shard is smaller than a staging slot's worth is no setting's fault)
+    if len(opt.fp16_groups) == 1 and not plan.sub_group_size_set_by_us and \
+            opt.fp32_partitioned_groups_flat[0].numel() > plan.offload.sub_group_size:
         logger.warning("[deepspeed-offload] the engine has a single ZeRO-3 sub-group: nothing to pipeline, the "
                        "whole state passes through the GPU at once. Set zero_optimization.sub_group_size "
                        "(or leave it unset and use deepspeed_offload.initialize).")

@@ -24,7 +24,7 @@ at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 ``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
 lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
 (no device memory of its own) there is nothing to measure and no limit. Loading nothing early, the
-measured iteration prefetches the step's first two sub-groups into the slots as its backward begins
+measured iteration prefetches the step's first sub-groups into the slots (as many as they take) as its backward begins
 (``prefetch``) and holds them to the step; later iterations take them when the step begins, so the
 slots are taken out of its backward's figures (``prefetched``): they count in ``peak_off`` and in the
 step's figure, where every iteration holds them, not in what the rest of backward allocates. The
@@ -93,7 +93,7 @@ class LoadTiming:
     # ------------------------------------------------------------------ events
 
     def backward_begins(self, boundary: bool) -> bool:
-        """A backward starts. Returns whether to prefetch the first two streamed sub-groups into the
+        """A backward starts. Returns whether to prefetch the first streamed sub-groups into the
         slots now (``prefetch``, on the boundary micro-batch, when no early loads will come)."""
         self._boundary = boundary
         self._hook = -1

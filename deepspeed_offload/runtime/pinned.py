@@ -39,6 +39,7 @@ SLAB_BYTES = 1 << 30
 DEFAULT_PIN_THREADS = 8
 # Progress is shown for pinning that takes longer than this (seconds).
 PROGRESS_AFTER_S = 2.0
+PROGRESS_LINE_S = 10.0  # without a terminal: a line this often
 
 
 def pin_threads() -> int:
@@ -141,14 +142,40 @@ class PinnedStats:
 
 
 def _progress(total: int, show: bool):
+    """A progress bar where a person watches (stderr is a terminal), else a log line every
+    ``PROGRESS_LINE_S`` seconds (a log file gets lines, not a hundred redraws of one)."""
     if not show:
         return None
+    if not sys.stderr.isatty():
+        return _ProgressLines(total)
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
+        return _ProgressLines(total)
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=PROGRESS_AFTER_S,
                 desc="[deepspeed-offload] pinning the host store", file=sys.stderr, leave=False)
+
+
+class _ProgressLines:
+    """``tqdm``'s ``update``/``close`` as a log line every ``PROGRESS_LINE_S`` seconds."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.started = self.last = time.monotonic()
+        self._lock = threading.Lock()  # the pinning threads update it
+
+    def update(self, n: int):
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            if now - self.last < PROGRESS_LINE_S:
+                return
+            self.last = now
+        logger.info(f"[deepspeed-offload] pinning the host store: {format_bytes(self.done)} of "
+                    f"{format_bytes(self.total)} in {now - self.started:.0f} s")
+
+    def close(self):
+        pass
 
 
 class Slabs:

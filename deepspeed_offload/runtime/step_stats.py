@@ -57,7 +57,7 @@ class StepStats:
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
         return out
 
-    def line(self, index: int, host_pinned: int, allocated: int, reserved: int) -> str:
+    def line(self, index: int, host_store: int, allocated: int, reserved: int) -> str:
         """The step line (rank 0, every ``steps_per_print`` steps, DeepSpeed's logger at info)."""
         s = self.resolve()
 
@@ -68,5 +68,5 @@ class StepStats:
                 f"copy wait {s['h2d_wait_s']:.3f} s; sub-groups {s['resident']} resident, {s['offloaded']} streamed "
                 f"({s['loaded_early']} loaded in backward); updates in backward {s['speculated']} speculated, "
                 f"{s['committed']} committed, {s['discarded']} rolled back; moved {format_bytes(s['bytes_h2d'])} in, "
-                f"{format_bytes(s['bytes_d2h'])} out; host pinned {format_bytes(host_pinned)}; device "
+                f"{format_bytes(s['bytes_d2h'])} out; host store {format_bytes(host_store)}; device "
                 f"{format_bytes(allocated)} allocated, {format_bytes(reserved)} reserved")

@@ -116,7 +116,9 @@ class StreamMode:
         # INFO, like DeepSpeed's own attach lines: shown once the user sets DeepSpeed's logger to info.
         log_dist(f"[deepspeed-offload] stream mode: {len(self.order)} of {n} sub-groups offloaded "
                  f"({len(self.resident)} resident{', the rest measured after the second step' if self.plan else ''}), "
-                 f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, host store "
+                 f"{sum(len(self.store.slices[i]) for i in self.order)} tensors, this rank's host store "
+                 f"{format_bytes(self.store.nbytes - self.store.twin_nbytes)}"
+                 f"{f' and second regions {format_bytes(self.store.twin_nbytes)}' if self.store.twin_nbytes else ''}: "
                  f"{self.store.pinning.describe()}, 2 staging slots of {format_bytes(self.slot_bytes)}, "
                  f"overlap={'on' if self.overlap else 'off'}; attached in {self.attach_s:.1f} s", ranks=[0])
         if self.speculation is not None:

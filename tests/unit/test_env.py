@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from packaging.version import Version
 
 import deepspeed_offload
-from deepspeed_offload import envinfo
+from deepspeed_offload import envinfo, host_memory
 from deepspeed_offload.compat import at_least
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,27 +99,35 @@ def test_accelerator_memory_and_shm_are_the_machines(report):
     assert report["accelerator"] == acc.device_name()
     assert report["device_count"] == acc.device_count()
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    assert report["memlock_limit"] == {"soft": limit(soft), "hard": limit(hard)}
+    assert report["memlock_limit"] == {"soft": limit(soft), "hard": limit(hard),
+                                       "cap_ipc_lock": host_memory.can_lock_any_amount()}
     assert report["host_memory"]["total"] == meminfo("MemTotal")
     assert 0 < report["host_memory"]["available"] <= report["host_memory"]["total"]
     shm = shutil.disk_usage("/dev/shm")
     assert report["dev_shm"]["total"] == shm.total
     pinnable = report["pinnable_host_memory"]
     assert 0 < pinnable["bytes"] <= report["host_memory"]["total"]
-    if soft != resource.RLIM_INFINITY:
+    if soft != resource.RLIM_INFINITY and not host_memory.can_lock_any_amount():
         assert pinnable["bytes"] <= soft
 
 
 def test_memlock_soft_and_hard_are_kept_apart(monkeypatch):
     monkeypatch.setattr(envinfo.resource, "getrlimit", lambda which: (65536 * 1024, resource.RLIM_INFINITY))
-    assert envinfo.probe_memlock_limit() == {"soft": 65536 * 1024, "hard": "unlimited"}
+    monkeypatch.setattr(envinfo, "can_lock_any_amount", lambda: False)
+    assert envinfo.probe_memlock_limit() == {"soft": 65536 * 1024, "hard": "unlimited", "cap_ipc_lock": False}
     assert envinfo.FORMATS["memlock_limit"](envinfo.probe_memlock_limit()) == "soft 64.00 MiB, hard unlimited"
+    monkeypatch.setattr(envinfo, "can_lock_any_amount", lambda: True)  # root in a container: ulimit -l is lifted
+    assert envinfo.FORMATS["memlock_limit"](envinfo.probe_memlock_limit()).endswith("not binding: this process has "
+                                                                                    "CAP_IPC_LOCK")
 
 
 def test_pinnable_is_the_smallest_bound(monkeypatch, fake_host):
     fake_host(total=16 * 2**30, available=12 * 2**30)
     monkeypatch.setattr(envinfo.resource, "getrlimit", lambda which: (2**20, resource.RLIM_INFINITY))
+    monkeypatch.setattr(host_memory, "can_lock_any_amount", lambda: False)
     assert envinfo.probe_pinnable_host_memory() == {"bytes": 2**20, "limited_by": "memlock limit (ulimit -l)"}
+    monkeypatch.setattr(host_memory, "can_lock_any_amount", lambda: True)  # CAP_IPC_LOCK: what check plans with
+    assert envinfo.probe_pinnable_host_memory() == {"bytes": 10 * 2**30, "limited_by": "usable host memory"}
     monkeypatch.setattr(envinfo.resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
     assert envinfo.probe_pinnable_host_memory() == {"bytes": 10 * 2**30, "limited_by": "usable host memory"}
     fake_host(total=16 * 2**30, available=12 * 2**30, cgroup_limit=6 * 2**30, cgroup_usage=2**30)

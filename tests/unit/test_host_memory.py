@@ -255,3 +255,20 @@ def test_a_slab_that_cannot_be_locked_again_stays_pageable(fake_host, monkeypatc
     assert store.released == set() and store.pinned_bytes == store.nbytes - 2 * page * 4
     store.view(0, MASTER).fill_(6)
     assert torch.all(store.view(0, MASTER) == 6)
+
+
+def test_pinning_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
+    import sys
+
+    from deepspeed_offload.runtime import pinned
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    lines = pinned._progress(10 * 2**30, show=True)
+    assert isinstance(lines, pinned._ProgressLines)
+    logged = []
+    monkeypatch.setattr(pinned.logger, "info", logged.append)
+    monkeypatch.setattr(pinned, "PROGRESS_LINE_S", 0.0)
+    lines.update(2**30)
+    assert logged and "1.00 GiB of 10.00 GiB" in logged[0]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert not isinstance(pinned._progress(10, show=True), pinned._ProgressLines)  # tqdm's bar
+    assert pinned._progress(10, show=False) is None

@@ -79,7 +79,7 @@ def test_the_step_line_says_one_number_per_thing():
     stats.offloaded, stats.resident, stats.speculated, stats.committed = 40, 122, 40, 40
     stats.bytes_h2d = stats.bytes_d2h = 3 * 2**30
     stats.step_s, stats.iteration_s = 0.5, 7.0
-    line = stats.line(20, host_pinned=117 * 2**30, allocated=80 * 2**30, reserved=130 * 2**30)
+    line = stats.line(20, host_store=117 * 2**30, allocated=80 * 2**30, reserved=130 * 2**30)
     assert line.startswith("[deepspeed-offload] step 20: iteration 7.000 s, step 0.500 s, copy wait 0.000 s")
     assert "122 resident, 40 streamed" in line and "40 speculated, 40 committed, 0 rolled back" in line
-    assert "host pinned 117.00 GiB" in line and "80.00 GiB allocated, 130.00 GiB reserved" in line
+    assert "host store 117.00 GiB" in line and "80.00 GiB allocated, 130.00 GiB reserved" in line
