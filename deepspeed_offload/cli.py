@@ -52,6 +52,19 @@ def positive_float(text: str) -> float:
     return value
 
 
+def ranks_per_node_default(world: int) -> int:
+    """Ranks sharing this host when not given (``check`` and ``estimate`` alike): the launcher's
+    (``LOCAL_WORLD_SIZE``), else one per accelerator of this node, else (no accelerator here: planning
+    for another node) up to 8; never more than the world."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return min(int(local), world)
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    count = acc.device_count() if acc.device_name() != "cpu" else 0
+    return min(count or 8, world)
+
+
 def cmd_check(ns) -> int:
     fills = ""
     try:
@@ -69,7 +82,8 @@ def cmd_check(ns) -> int:
             read_env()  # the DS_OFFLOAD_* variables, as attach will read them
         host_line = ""
         if plan is not None and ns.params:
-            host_line = "; " + _node_line(plan, ns.params, ns.world_size or 1, ns.ranks_per_node)
+            world = ns.world_size or 1
+            host_line = "; " + _node_line(plan, ns.params, world, ns.ranks_per_node or ranks_per_node_default(world))
     except ConfigError as e:
         where = "" if e.path == ns.config else f"{ns.config}: "  # file errors name the file already
         print(f"deepspeed-offload: {where}{e}", file=sys.stderr)
@@ -137,7 +151,7 @@ def cmd_estimate(ns) -> int:
     except ConfigError as e:
         print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
         return 2
-    ranks_per_node = ns.ranks_per_node or min(ns.world_size, 8)
+    ranks_per_node = ns.ranks_per_node or ranks_per_node_default(ns.world_size)
     placement = _split(ns, ranks_per_node) if budget_gb is None else None
     resident_gb = budget_gb if placement is None else placement["resident"] / 2**30
     est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, resident_gb,
@@ -258,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=positive_int, default=None,
                        help="data-parallel ranks sharing the state; also checks DeepSpeed's train_batch_size = "
                        "micro batch x accumulation steps x world size (default: any world size the batch sizes allow)")
-    check.add_argument("--ranks-per-node", type=positive_int, default=1,
-                       help="ranks whose host stores share this host")
+    check.add_argument("--ranks-per-node", type=positive_int, default=None,
+                       help="ranks whose host stores share this host (default: the launcher's LOCAL_WORLD_SIZE, "
+                       "else this node's accelerators, else up to 8; at most the world size)")
     check.add_argument("--framework", choices=FRAMEWORKS, default=None,
                        help="check the config as this framework launches it: read with json.load, each \"auto\" "
                        "filled as it fills it (default: hf when the config has \"auto\" values)")
@@ -281,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="elements of the model's largest parameter (a Llama's embedding: vocabulary x hidden); "
                      "one larger than a sub-group is a sub-group of its own and sets the staging slots")
     est.add_argument("--world-size", type=positive_int, default=1, help="data-parallel ranks sharing the state")
-    est.add_argument("--ranks-per-node", type=positive_int, default=None, help="default: min(world size, 8)")
+    est.add_argument("--ranks-per-node", type=positive_int, default=None,
+                     help="default: the launcher's LOCAL_WORLD_SIZE, else this node's accelerators, else up to 8; "
+                     "at most the world size (as check)")
     est.add_argument("--config", help="ds_config with the optimizer_state_offload block (budget, sub_group_mb)")
     est.add_argument("--host-bandwidth", type=positive_float, default=HOST_BANDWIDTH_GBPS,
                      help="GB/s each way that the host's memory gives all its ranks together, both directions "

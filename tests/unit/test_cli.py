@@ -275,3 +275,19 @@ def test_check_refuses_what_json_load_refuses_in_a_frameworks_config(tmp_path, c
 def test_check_set_names_a_bad_pair(tmp_path, capsys):
     assert cli_main(["check", str(HF_CONFIG), "--set", "gradient_clipping"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_check_and_estimate_assume_the_same_ranks_per_node(capsys, monkeypatch):
+    """Neither given --ranks-per-node: both take the launcher's LOCAL_WORLD_SIZE, else this node's
+    accelerators, else up to 8, never more than the world (check assumed 1 before: 8x too optimistic)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = RESULTS.parents[1] / "examples" / "ds_config_offload.json"
+    assert cli_main(["check", str(cfg), "--params", "100000000", "--world-size", "8"]) in (0, 2)
+    out = capsys.readouterr()
+    assert "node of 8 rank(s)" in out.out or "of its 8 rank(s)" in out.err, out
+    assert cli_main(["estimate", "--params", "100000000", "--world-size", "8", "--bandwidth", "50"]) == 0
+    assert "(8 ranks)" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cli_main(["check", str(cfg), "--params", "100000000", "--world-size", "8"]) in (0, 2)
+    out = capsys.readouterr()
+    assert "node of 4 rank(s)" in out.out or "of its 4 rank(s)" in out.err, out
