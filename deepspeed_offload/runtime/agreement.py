@@ -2,20 +2,18 @@
 brings to attach, so that every rank raises the same error at the same call and no rank is left
 waiting in a collective.
 
-Attach (runtime/attach.py) and the asynchronous checkpoints use it. ``agree`` costs one one-element
-all-reduce when nothing failed; only after a failure do the ranks exchange their messages
+Attach (runtime/attach.py), the asynchronous checkpoints and colocation use it. ``agree`` costs one
+one-element all-reduce when nothing failed; only after a failure do the ranks exchange their messages
 (``exchange_messages``), so each rank's error names the failing rank, the path and the cause.
-``exchange_numbers`` gives every rank every rank's row of integers. Without a process group (or
-with one rank) nothing is communicated.
+``exchange_numbers`` gives every rank every rank's row of integers. Both exchanges are
+``torch.distributed.all_gather_object``. Without a process group (or with one rank) nothing is
+communicated.
 """
 
 import secrets
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-
-MESSAGE_BYTES = 1024  # of each rank's error message, exchanged only after a failure
-
 
 def rank_world() -> Tuple[int, int]:
     """This process's rank and the world size (0 and 1 without a process group)."""
@@ -47,38 +45,25 @@ def new_save_id(rank: int) -> str:
     return f"{sid:016x}"
 
 
-def exchange_messages(message: Optional[str]) -> List[Tuple[int, str]]:
-    """Every rank's message (None: none), on every rank: one all-reduce of world x MESSAGE_BYTES."""
-    dist = _dist()
-    if dist is None:
-        return [(0, message)] if message else []
-    rank, world = rank_world()
-    buf = torch.zeros(world, MESSAGE_BYTES, dtype=torch.uint8)
-    if message:
-        data = message.encode()[:MESSAGE_BYTES]
-        buf[rank, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(_device())
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-    rows = buf.cpu()
-    out = []
-    for r in range(world):
-        text = bytes(rows[r].tolist()).rstrip(b"\0").decode(errors="replace")
-        if text:
-            out.append((r, text))
+def _gather(obj) -> list:
+    """Every rank's ``obj``, on every rank (``all_gather_object`` over DeepSpeed's process group)."""
+    out = [None] * rank_world()[1]
+    torch.distributed.all_gather_object(out, obj)
     return out
 
 
+def exchange_messages(message: Optional[str]) -> List[Tuple[int, str]]:
+    """Every rank's message (None: none), on every rank, as (rank, message) for the ranks that have one."""
+    if _dist() is None:
+        return [(0, message)] if message else []
+    return [(r, m) for r, m in enumerate(_gather(message)) if m]
+
+
 def exchange_numbers(row: Sequence[int]) -> List[List[int]]:
-    """Every rank's ``row`` (the same length on every rank), on every rank: one all-reduce of world x len."""
-    dist = _dist()
-    if dist is None:
+    """Every rank's ``row`` of integers, on every rank."""
+    if _dist() is None:
         return [list(row)]
-    rank, world = rank_world()
-    buf = torch.zeros(world, len(row), dtype=torch.int64)
-    buf[rank] = torch.tensor([int(v) for v in row], dtype=torch.int64)
-    buf = buf.to(_device())
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-    return buf.cpu().tolist()
+    return [list(r) for r in _gather([int(v) for v in row])]
 
 
 def agree(message: Optional[str]) -> List[Tuple[int, str]]:

@@ -96,7 +96,8 @@ def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], objec
     if prepared.figures.local_rank == 0:
         logger.info(describe_node(node_plan, {r: stores[r][0] for r in node_plan.ranks},
                                   {r: stores[r][1] for r in node_plan.ranks},
-                                  {r: stores[r][2] for r in node_plan.ranks}))
+                                  {r: stores[r][2] for r in node_plan.ranks},
+                                  speculates=any(figures[r].speculate != 0 for r in node_plan.ranks)))
     mode = None
     error = None
     try:
@@ -127,7 +128,12 @@ def prepare(engine, plan: Plan) -> Prepared:
         fixed = None  # host first (placement.py)
     budget_store = -1 if fixed is None else probe.total - probe.resident_bytes(fixed)
     spec = offload.speculate_memory_gb
+    # (where speculation cannot run, no second regions are planned: compile mode, overlap off, fp32 parameters)
     speculate = -1 if spec is None else int(spec * 2**30)
+    opt = engine.optimizer
+    if plan.mode != "stream" or not offload.overlap or any(
+            lp.dtype == hp.dtype for lp, hp in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat)):
+        speculate = 0
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     params = sum(m.numel() for m in engine.optimizer.fp32_partitioned_groups_flat) * world
     device_free = 0 if synchronous else int(acc.available_memory()) + int(acc.memory_reserved() or 0)

@@ -184,12 +184,15 @@ def _must_fit(plan: NodePlan, needed: int, what: str, budget_hint=False, specula
                       f"{format_bytes(short)} short. Ways out: " + "; ".join(ways))
 
 
-def describe_node(plan: NodePlan, stores: Dict[int, int], twins: Dict[int, int], resident: Dict[int, int]) -> str:
-    """The line the node's first local rank logs: its ranks, what each pins and in all, what it can give."""
+def describe_node(plan: NodePlan, stores: Dict[int, int], twins: Dict[int, int], resident: Dict[int, int],
+                  speculates: bool = True) -> str:
+    """The line the node's first local rank logs: its ranks, what each pins and in all, what it can give
+    (``speculates``: whether speculation can run on these ranks at all)."""
     store, twin = sum(stores.values()), sum(twins.values())
     per_rank = ", ".join(f"rank {r}: {format_bytes(stores[r])}" for r in plan.ranks)
     on_device = sum(resident.values())
-    spec = f"; speculation's second regions {format_bytes(twin)}" if twin else "; speculation: no second regions"
+    spec = (f"; speculation's second regions {format_bytes(twin)}" if twin else
+            "; speculation: no second regions" if speculates else "; speculation off")
     dev = f"; {format_bytes(on_device)} of state kept on the GPUs" if on_device else ""
     aside = sum(min(plan.aside_cap.get(r, 0), stores[r]) for r in plan.ranks)
     dev += f"; {format_bytes(aside)} for the checkpoints' copies aside" if aside else ""

@@ -49,6 +49,9 @@ def test_host_first_shares_the_host_and_the_rest_stays_resident():
     assert sum(sizes[k:]) <= cap < sum(sizes[k - 1:])
     line = describe_node(plan, {0: cap}, {0: 0}, {0: sum(sizes[:k])})
     assert "node 0: 1 rank(s) pin" in line and "speculation: no second regions" in line and "kept on the GPUs" in line
+    # where speculation cannot run (fp32 parameters, compile mode, overlap off) the line does not promise it
+    off = describe_node(plan, {0: cap}, {0: 0}, {0: 0}, speculates=False)
+    assert "speculation off" in off and "second regions" not in off
 
 
 def test_speculation_takes_what_the_stores_leave_shared_among_the_ranks():
