@@ -218,17 +218,6 @@ def memlock_hint(nbytes: int) -> str:
 # ---------------------------------------------------------------------------------------------- NUMA
 
 
-def parse_cpulist(text: str) -> List[int]:
-    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
-    cpus = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus += list(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def numa_nodes(root: str = "/") -> List[int]:
     base = os.path.join(root, "sys/devices/system/node")
     try:
@@ -240,7 +229,9 @@ def numa_nodes(root: str = "/") -> List[int]:
 
 def node_cpus(node: int, root: str = "/") -> List[int]:
     text = _read(os.path.join(root, f"sys/devices/system/node/node{node}/cpulist"))
-    return parse_cpulist(text) if text else []
+    # (sysfs's cpulist, ``0-3,8,10-11``, is the syntax of DeepSpeed's own --bind_core_list)
+    from deepspeed.utils.numa import parse_range_list
+    return parse_range_list(text.strip()) if text and text.strip() else []
 
 
 def pci_numa_node(bus_id: str, root: str = "/") -> Optional[int]:
