@@ -780,6 +780,13 @@ def train_with(spec):
                          "take_backs": handle.plan.take_backs,
                          "members": sorted(handle.speculation.members) if handle.speculation else [],
                          "twins": sorted(handle.store.twins), "released": sorted(handle.store.released)})
+            for at, limit in (spec.get("scripted_memory") or {}).get("grow_at", []):
+                if scripted is not None and micro == gas - 1 and step == at:
+                    # a rollout engine beside training gives its memory back: offload_states / reload_states
+                    # around the device growing (the scripted limit), as an RL loop's cycle does
+                    engine.offload_states()
+                    scripted.limit = limit
+                    engine.reload_states()
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
                     handle._place(k)

@@ -332,6 +332,23 @@ def test_the_measured_plan_follows_the_batch_and_every_step_closes(tmp_path):
 
 
 @needs_two_ranks
+def test_the_measured_plan_takes_state_back_when_reload_states_returns_memory(tmp_path):
+    """The device first leaves no room for state beside the iteration (170 kB of a scripted 180 kB, less
+    its margin); after step 4 an offload_states / reload_states cycle sees the device grow to 300 kB (a
+    rollout engine gave its memory back): the plan reads its limit again, measures, and keeps everything
+    resident from there. Bitwise equal to plain ZeRO-3."""
+    spec = dict(FOLLOW, steps=7, batch_by_step=[4] * 7,
+                scripted_memory=dict(FOLLOW["scripted_memory"], limit=180_000, grow_at=[[4, 300_000]]))
+    offload = dict(OFFLOAD, memory_budget_gb=None, overlap_memory_gb=1e-3)
+    out = launch(dict(spec, variants=[{"api": "deepspeed"}, {"offload": offload}]), tmp_path, "take_back")
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    n = len(ours["handle"]["order"]) + len(ours["handle"]["resident"])
+    resident = [p["resident"] for p in ours["plan"]]
+    assert resident[:5] == [0] * 5 and resident[-1] == n, resident
+
+
+@needs_two_ranks
 def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
     out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path,
                  "abort")
