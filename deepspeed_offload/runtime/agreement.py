@@ -66,6 +66,11 @@ def exchange_numbers(row: Sequence[int]) -> List[List[int]]:
     return [list(r) for r in _gather([int(v) for v in row])]
 
 
+def describe(error: BaseException) -> str:
+    """A failure as the other ranks read it: its type and message."""
+    return f"{type(error).__name__}: {error}"
+
+
 def agree(message: Optional[str]) -> List[Tuple[int, str]]:
     """Which ranks failed and why: one one-element all-reduce, and the messages only if any failed."""
     dist = _dist()

@@ -104,7 +104,7 @@ def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], objec
         mode = build(placement, prepared)
     except Exception as e:  # the mode undid what it did before raising
         error = e
-    failures = agreement.agree(None if error is None else _describe(error))
+    failures = agreement.agree(None if error is None else agreement.describe(error))
     if failures and mode is not None:
         mode.undo_attach()
     _raise_agreed(failures, error, "attach")
@@ -204,10 +204,6 @@ def check_engine(engine, plan: Plan):
                        "(or leave it unset and use deepspeed_offload.initialize).")
 
 
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
 def _agreed(what: str, fn):
     """``fn()`` on this rank, then the ranks agree whether any of them failed (one all-reduce)."""
     result, error = None, None
@@ -215,7 +211,7 @@ def _agreed(what: str, fn):
         result = fn()
     except Exception as e:
         error = e
-    _raise_agreed(agreement.agree(None if error is None else _describe(error)), error, what)
+    _raise_agreed(agreement.agree(None if error is None else agreement.describe(error)), error, what)
     return result
 
 
@@ -231,7 +227,7 @@ def _raise_agreed(failures, own: Optional[BaseException], what: str):
     if isinstance(own, ConfigError):
         raise ConfigError(own.path, f"{own.reason}{where}{also}") from own
     if own is not None:
-        raise AttachError(f"[deepspeed-offload] {what} failed{where}: {_describe(own)}{also}; "
+        raise AttachError(f"[deepspeed-offload] {what} failed{where}: {agreement.describe(own)}{also}; "
                           "this rank's engine is as it was before") from own
     causes = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
     raise AttachError(f"[deepspeed-offload] {what} failed on rank(s) {[r for r, _ in failures]}: {causes}; this "

@@ -56,7 +56,6 @@ from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 
 from ..compat import drop_reduce_buffers
 from . import agreement
-from .attach import _describe
 from .host_store import MASTER, HostStore
 
 OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
@@ -162,7 +161,7 @@ class StateOffload:
         """The ranks agree whether ``what`` failed on any of them (one one-element all-reduce; the
         messages only after a failure). If one did, every rank runs ``undo`` (no collective) and raises
         ``OffloadStatesError``: its own cause, or the failing ranks' and theirs."""
-        own = None if error is None else _describe(error)
+        own = None if error is None else agreement.describe(error)
         failures = agreement.agree(own)
         if not failures:
             return
@@ -179,7 +178,8 @@ class StateOffload:
             if undo_error is None:
                 raise agreed from error
             names = ", ".join(sorted(s.value for s in self.opt.offloaded_states)) or "nothing"
-            raise OffloadStatesError(f"{agreed}; undoing it on rank {rank} failed too: {_describe(undo_error)} "
+            raise OffloadStatesError(f"{agreed}; undoing it on rank {rank} failed too: "
+                                     f"{agreement.describe(undo_error)} "
                                      f"(off the device on this rank now: {names})") from undo_error
 
     def _forget(self, made):
