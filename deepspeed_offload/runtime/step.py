@@ -55,7 +55,7 @@ class Step:
     index: int
     phase: StepPhase = StepPhase.BACKWARD
     backwards: int = 0  # backwards (micro-batches) that fed it
-    input_numel: int = 0  # the largest input a forward of it took (``InputSize``), 0: unknown
+    input_numel: int = 0  # the largest input a forward of it took (``hooks.input_numel``), 0: unknown
     began: float = field(default_factory=time.perf_counter)
     entered: Optional[float] = None  # when DeepSpeed's step() began
     closed: Optional[float] = None
