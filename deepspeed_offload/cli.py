@@ -70,10 +70,12 @@ def cmd_check(ns) -> int:
     try:
         ds_config = load_ds_config(ns.config)
         framework = ns.framework or ("hf" if has_auto(ds_config) else None)
-        if framework is not None and os.path.isfile(ns.config):
+        if framework == "deepspeed":  # deepspeed.initialize / deepspeed_offload.initialize as they are
+            framework = None
+        elif framework is not None and os.path.isfile(ns.config):
             strict_json(ns.config)
-        if framework is not None or ns.set:
-            ds_config, filled = fill(ds_config, framework or "hf", parse_set(ns.set), ns.hidden_size,
+        if framework is not None or ns.set:  # (--set alone: your values, nothing filled)
+            ds_config, filled = fill(ds_config, framework, parse_set(ns.set), ns.hidden_size,
                                      ns.world_size or 1)
             who = {"hf": "the HF Trainer", "accelerate": "Accelerate", None: "--set"}[framework]
             fills = f"; checked as {who} fills it ({', '.join(f'{k}={v}' for k, v in filled.items())})" if filled else ""
@@ -277,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "else this node's accelerators, else up to 8; at most the world size)")
     check.add_argument("--framework", choices=FRAMEWORKS, default=None,
                        help="check the config as this framework launches it: read with json.load, each \"auto\" "
-                       "filled as it fills it (default: hf when the config has \"auto\" values)")
+                       "filled as it fills it (default: hf when the config has \"auto\" values); deepspeed: as "
+                       "deepspeed.initialize takes it, which refuses \"auto\"")
     check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="a value the framework takes from your arguments (a dotted ds_config key, e.g. "
                        "train_micro_batch_size_per_gpu=4 or bf16.enabled=true); repeatable")

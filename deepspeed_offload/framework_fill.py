@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Optional
 from .errors import ConfigError
 from .preflight import AUTO
 
-FRAMEWORKS = ("hf", "accelerate")
+FRAMEWORKS = ("hf", "accelerate", "deepspeed")  # deepspeed: no framework, nothing filled
 _ADAM = {"lr": 5e-5, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
 DEFAULTS = {
     "hf": {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -68,13 +68,13 @@ def parse_set(items: Iterable[str]) -> Dict[str, Any]:
     return out
 
 
-def fill(ds_config: Dict[str, Any], framework: str, given: Optional[Dict[str, Any]] = None,
+def fill(ds_config: Dict[str, Any], framework: Optional[str], given: Optional[Dict[str, Any]] = None,
          hidden_size: Optional[int] = None, world_size: int = 1) -> Dict[str, Any]:
     """A copy of ``ds_config`` with every ``"auto"`` replaced as ``framework`` would (``given``: the user's
     arguments, by dotted key path, which also replace values that are not ``"auto"``). Returns it with
     ``filled``: the key paths filled and their values, for the summary line."""
     cfg = copy.deepcopy(ds_config)
-    values = dict(DEFAULTS[framework])
+    values = dict(DEFAULTS.get(framework, {}))  # (None: only ``given``)
     if hidden_size:
         values.update({"zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
                        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),

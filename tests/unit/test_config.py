@@ -118,7 +118,7 @@ def test_host_memory_too_small(tmp_path, capsys, fake_host):
     assert check(tmp_path, all_out, "--params", str(10**9)) == 2  # 12 GB of state on 8 GiB
     err = capsys.readouterr().err
     assert "need 11.18 GiB" in err and "can give 8.00 GiB" in err and "memory_budget_gb" in err
-    assert check(tmp_path, all_out, "--params", str(10**9), "--world-size", "2") == 0  # 5.59 GiB per rank fits
+    assert check(tmp_path, all_out, "--params", str(10**9), "--world-size", "2", "--ranks-per-node", "1") == 0  # fits
     assert "store 5.59 GiB per rank" in capsys.readouterr().out
     assert check(tmp_path, GOOD, "--params", str(10**9)) == 0
     assert "store 8.00 GiB per rank, 3.18 GiB of each rank's state stays on the GPU" in capsys.readouterr().out
