@@ -22,8 +22,6 @@ all); each wrapper calls DeepSpeed's own method and, around it, one verb of the 
 
 import torch
 
-from .step import Outcome
-
 # Methods of the ZeRO-3 optimizer that read host state on the CPU: they wait for the write-backs.
 READERS = ("state_dict", "_get_fp32_opt_state_partition")
 # ... and that write it: they also wait for a checkpoint write and drop what was loaded early.
@@ -160,10 +158,9 @@ def _step(mode, orig):
             lifecycle.step_entered()
             result = orig(*args, **kwargs)
         except BaseException:
-            lifecycle.close(Outcome.RAISED)
+            lifecycle.close(raised=True)
             raise
-        # DeepSpeed's decision: its loop ran (``_post_step``) or it returned before (overflow)
-        lifecycle.close(Outcome.SKIPPED if getattr(mode.opt, "overflow", False) else Outcome.APPLIED)
+        lifecycle.close()  # applied or skipped: whether DeepSpeed's loop ran (``_post_step``)
         return result
 
     return step

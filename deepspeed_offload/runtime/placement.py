@@ -231,7 +231,7 @@ class MeasuredPlan:
     give_backs: int = 0  # iterations after which state went back to the host
     take_backs: int = 0  # times the largest recent input shrank below the one the plan was made for
     # what an iteration needs beside the state, by input size (iteration_memory.py)
-    memory: IterationMemory = field(default_factory=IterationMemory)
+    needs: IterationMemory = field(default_factory=IterationMemory)
     planned_numel: int = 0  # the largest input the placement was made for (0: the measured one's)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # the last steps' inputs
     _measurements_seen: int = 0
@@ -268,14 +268,14 @@ class MeasuredPlan:
         numel = step.input_numel
         if numel and mode.forward_level is not None:
             peak = mode.memory.window_peak()
-            self.memory.add(numel, mode.forward_level - resident_bytes, peak - mode.forward_level,
+            self.needs.add(numel, mode.forward_level - resident_bytes, peak - mode.forward_level,
                             mode.memory.window_reserved() - peak)
             self.recent.append(numel)
         planning = max(self.recent, default=0)
         measured = mode.timing.measurements > self._measurements_seen
         if measured:
             self._measurements_seen = mode.timing.measurements
-            extra = max(0, (self.memory.predict(planning) or 0) - (self.memory.predict(numel) or 0)) if numel else 0
+            extra = max(0, (self.needs.predict(planning) or 0) - (self.needs.predict(numel) or 0)) if numel else 0
             promote, give_back = self.after_measurement(mode.timing.peak_reserved, mode.order, probe.nbytes,
                                                         resident_bytes, extra)
             self.planned_numel = max(planning, numel)
@@ -314,7 +314,7 @@ class MeasuredPlan:
         they are."""
         if numel <= self.planned_numel:
             return None
-        need = self.memory.predict(numel)
+        need = self.needs.predict(numel)
         self.planned_numel = numel
         if need is None:
             return None
@@ -327,7 +327,7 @@ class MeasuredPlan:
             return None
         self.give_backs += 1
         mode.timing.remeasure()  # the allowances were for smaller iterations
-        log_dist(f"[deepspeed-offload] measured plan: an input of {numel:,} elements (the largest so far) needs "
+        log_dist(f"[deepspeed-offload] measured plan: an input of {numel:,} elements (larger than planned for) needs "
                  f"about {format_bytes(need)} beside the state; {len(out)} sub-groups "
                  f"({format_bytes(sum(mode.probe.nbytes(i) for i in out))}) go back to the host before its "
                  f"forward, {resident - len(out)} stay resident", ranks=[0])

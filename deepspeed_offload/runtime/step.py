@@ -54,7 +54,6 @@ class Step:
     """One optimizer step. ``index``: the ``global_steps`` DeepSpeed will give it (counted skipped or not)."""
     index: int
     phase: StepPhase = StepPhase.BACKWARD
-    backwards: int = 0  # backwards (micro-batches) that fed it
     input_numel: int = 0  # the largest input a forward of it took (``hooks.input_numel``), 0: unknown
     began: float = field(default_factory=time.perf_counter)
     entered: Optional[float] = None  # when DeepSpeed's step() began
@@ -108,9 +107,7 @@ class StepLifecycle:
         step.input_numel = max(step.input_numel, numel)
 
     def backward_begins(self):
-        step = self._open()
-        if step.phase is StepPhase.BACKWARD:  # (a backward inside step(), none in DeepSpeed, counts nothing)
-            step.backwards += 1
+        self._open()
         self.mode.backward_begins()
 
     def step_entered(self) -> Step:
@@ -131,17 +128,15 @@ class StepLifecycle:
         self.current.move(StepPhase.UPDATED)
         self.mode.updates_done()
 
-    def close(self, outcome: Outcome) -> Step:
-        """DeepSpeed's ``step()`` returned (``APPLIED`` or ``SKIPPED``) or raised: the one place a step
-        ends and the work between steps runs. Applied means DeepSpeed's loop ran (``updates_done``);
-        a step that returned without it was skipped, whatever the caller thought."""
+    def close(self, raised: bool = False) -> Step:
+        """DeepSpeed's ``step()`` returned or raised: the one place a step ends, its outcome decided,
+        and the work between steps runs. Returned after its loop (``updates_done``): applied; returned
+        before it (it set ``optimizer.overflow``: fp16 overflow, a non-finite norm): skipped."""
         if self.current is None or self.current.phase is StepPhase.BACKWARD:
             self.step_entered()  # (a caller that did not say the step began)
         step = self.current
-        if outcome is Outcome.APPLIED and step.phase is not StepPhase.UPDATED:
-            outcome = Outcome.SKIPPED
-        if outcome is Outcome.SKIPPED and step.phase is StepPhase.UPDATED:
-            outcome = Outcome.APPLIED  # (DeepSpeed updated everything: overflow was not set)
+        outcome = Outcome.RAISED if raised else \
+            Outcome.APPLIED if step.phase is StepPhase.UPDATED else Outcome.SKIPPED
         step.move(StepPhase.CLOSED)
         step.outcome, step.closed = outcome, time.perf_counter()
         self.current, self.last = None, step
