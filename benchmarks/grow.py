@@ -24,6 +24,9 @@ from deepspeed_offload.bench.models import LLAMA_PRESETS
 BLOCKS = {"plain": None, "default": {"enabled": True}, "budget0": {"enabled": True, "memory_budget_gb": 0},
           "budget0-nospec": {"enabled": True, "memory_budget_gb": 0, "speculate_memory_gb": 0}}
 
+# the caching allocator's events per iteration: a retry frees every cached block and synchronizes
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -32,6 +35,7 @@ def main():
     ap.add_argument("--batches", default="8,8,8,8,9,9,10,10,11,11,12,12,14,14")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--non-reentrant", action="store_true", help="gradient_checkpointing_kwargs use_reentrant False")
+    ap.add_argument("--split", action="store_true", help="synchronize after backward too: forward+backward seconds apart")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
@@ -62,6 +66,7 @@ def main():
     handle = deepspeed_offload.get_handle(engine)
     setup_s = time.perf_counter() - t0
     rows, oom = [], None
+    counted = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTERS}
     gen = torch.Generator().manual_seed(0)
     for k, batch in enumerate(batches):
         ids = torch.randint(0, shape["vocab"], (batch, args.seq), generator=gen).cuda()
@@ -71,6 +76,9 @@ def main():
         try:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
+            if args.split:
+                torch.cuda.synchronize()
+                backward_s = time.perf_counter() - started
             engine.step()
             torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError as e:
@@ -78,12 +86,17 @@ def main():
             print(f"[grow] out of memory at iteration {k}, batch {batch}: {oom['error']}", flush=True)
             break
         row = {"iteration": k, "batch": batch, "s": time.perf_counter() - started,
+               "forward_backward_s": backward_s if args.split else None,
                "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-               "reserved_gib": torch.cuda.memory_reserved() / 2**30}
+               "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+               **{k: torch.cuda.memory_stats().get(k, 0) - counted.get(k, 0) for k in ALLOCATOR_COUNTERS}}
+        counted = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTERS}
         if handle is not None:
             stats = handle.step_stats() or {}
             row.update(resident=len(handle.resident), streamed=len(handle.order),
-                       speculated=stats.get("speculated"), committed=stats.get("committed"))
+                       **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early", "loaded_in_step",
+                                                   "h2d_wait_s", "update_s", "step_s")},
+                       divergences=handle.timing.divergences, measurements=handle.timing.measurements)
         rows.append(row)
         print(f"[grow] {json.dumps(row)}", flush=True)
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
