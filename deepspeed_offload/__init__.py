@@ -8,7 +8,7 @@ process applies the block: how the HF Trainer, Accelerate and Lightning get it),
 distributed run), ``ConfigError`` and ``OffloadConfig``.
 """
 
-from . import compat  # noqa: F401 (first: it refuses a DeepSpeed older than the supported range, by name)
+from . import compat
 from .api import attach, get_handle, initialize
 from .config import ConfigError, OffloadConfig
 from .install import install, is_installed, uninstall

@@ -19,7 +19,7 @@ from .config import Plan, validate
 from .ds_config import load_ds_config, resolve_config_source
 from .errors import BLOCK
 from .estimate import host_plan
-from .handle import HANDLE_ATTR, get_handle  # noqa: F401 (get_handle: public, re-exported)
+from .handle import HANDLE_ATTR, get_handle
 from .host_memory import check_host_plan
 
 # The attribute install() sets on the deepspeed.initialize it puts in place.
@@ -149,12 +149,15 @@ def _attach_mode(engine, plan: Plan):
 
     def build(placement, prepared):
         if plan.mode == "stream":
-            from .runtime.stream import StreamMode
+            from .runtime.step.stream import StreamMode
             return StreamMode(engine, plan.offload, placement, prepared.probe)
         from .compile_passes import attach_compile
         return attach_compile(engine, plan.offload, placement, prepared.probe)
 
-    handle = attach_mode(engine, plan, build)
+    check = None
+    if plan.mode == "compile":
+        from .compile_passes import check_engine as check
+    handle = attach_mode(engine, plan, build, check)
     setattr(engine, HANDLE_ATTR, handle)
     _attached.add(engine)
     return handle

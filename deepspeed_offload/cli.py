@@ -21,7 +21,7 @@ from .env_settings import read_env
 from .estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes,
                        state_bytes_per_rank)
 from .host_memory import HostMemory, check_host_plan, format_bytes
-from .runtime.placement import largest_params, node_plan_for, split
+from .runtime.memory.node_plan import largest_params, node_plan_for, split
 
 
 def positive_int(text: str) -> int:

@@ -17,7 +17,7 @@ from packaging import version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .compat import compile_mode_refusal, deepspeed_release
-from .ds_config import get_path, load_ds_config, resolve_config_source  # noqa: F401 (re-exported)
+from .ds_config import get_path, load_ds_config, resolve_config_source
 from .errors import BLOCK, ConfigError, pydantic_error
 from .estimate import STATE_BYTES_PER_PARAM
 from .host_memory import format_bytes
@@ -50,7 +50,7 @@ class OffloadConfig(BaseModel):
     sub_group_mb: int = Field(256, gt=0, le=MAX_SUB_GROUP_MB)
     pin_memory: bool = True
     prefetch: bool = True
-    # GPU memory for state kept resident; null: measured (runtime/placement.py), 0: offload everything.
+    # GPU memory for state kept resident; null: measured (runtime/memory/placement.py), 0: offload everything.
     memory_budget_gb: Optional[float] = _gib_field()
     # The most device memory training may use (the measured plan stays below it, less a margin; compile
     # mode's planner too); null: what the process can have of the device.
@@ -61,7 +61,7 @@ class OffloadConfig(BaseModel):
     overlap_memory_gb: Optional[float] = _gib_field()
     async_checkpoint: bool = False
     # Stream mode: host memory per rank for second regions, so that sub-groups are updated in
-    # backward before the gradient norm is known (runtime/speculation.py); null (the default): what
+    # backward before the gradient norm is known (runtime/speculation/updates.py); null (the default): what
     # the node has spare after the stores; 0: off. Off where it cannot run (compile mode, overlap
     # off, fp32 parameters) unless a size is asked for, which is then an error there.
     speculate_memory_gb: Optional[float] = Field(None, ge=0, le=MAX_GB, allow_inf_nan=False)

@@ -209,13 +209,13 @@ def probe_pinnable_host_memory():
 
 
 def probe_pin_test():
-    """Page-lock 64 MiB the way the host store does (``runtime/pinned.py``: exact size, registered)."""
+    """Page-lock 64 MiB the way the host store does (``runtime/memory/pinned.py``: exact size, registered)."""
     _need_cuda()
     import torch
     from deepspeed.accelerator import get_accelerator
 
     from .compat import pin_empty
-    from .runtime import pinned
+    from .runtime.memory import pinned
     acc = get_accelerator()
     buffers, stats, _ = pinned.allocate({torch.uint8: PIN_TEST_BYTES}, {torch.uint8: [(0, PIN_TEST_BYTES)]},
                                      pinned.make_pinner(acc, True), fallback=lambda n, dt: pin_empty(acc, n, dt))

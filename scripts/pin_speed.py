@@ -1,4 +1,4 @@
-"""How fast the host store's memory is allocated and page-locked on this machine (runtime/pinned.py):
+"""How fast the host store's memory is allocated and page-locked on this machine (runtime/memory/pinned.py):
 GiB/s per thread count, and one copy each way from the locked buffer to check it is really pinned.
 
     python scripts/pin_speed.py --gib 16 --threads 1,8,16 [--final-gib 75]
@@ -11,7 +11,7 @@ import time
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from deepspeed_offload.runtime import pinned
+from deepspeed_offload.runtime.memory import pinned
 
 
 def pin(gib, threads, region_mb=256):

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-RES, STREAM, SPEC, HOOKS = ("deepspeed_offload/runtime/residency.py", "deepspeed_offload/runtime/stream.py",
-                            "deepspeed_offload/runtime/speculation.py", "deepspeed_offload/runtime/hooks.py")
+RES, STREAM, SPEC, HOOKS = ("deepspeed_offload/runtime/memory/residency.py", "deepspeed_offload/runtime/step/stream.py",
+                            "deepspeed_offload/runtime/speculation/updates.py", "deepspeed_offload/runtime/step/hooks.py")
+UPDATE = "deepspeed_offload/runtime/speculation/compute.py"
 UNIT = "tests/unit/test_residency.py"
 # (fails in every copy, by design: it wants each wait's text in the source)
 LISTED = "tests/unit/test_residency.py::test_the_list_of_waits_removed_one_at_a_time_is_the_source_s"
@@ -72,16 +73,16 @@ WAITS = [
          "a CPU reader waits for offload_states()' non-blocking copies", (PARITY, )),
     Wait("backward_begins.join", SPEC, "self.mode.copies.join_side()  # this backward's", "pass  # this backward's",
          "a backward's reductions after the last backward's updates", (SPECULATION, )),
-    Wait("partitioned.reduced_again", SPEC, "self._final_event[i] = self.mode.copies.mark()  # the update waits",
+    Wait("partitioned.reduced_again", SPEC, "self.final_event[i] = self.mode.copies.mark()  # the update waits",
          "pass  # the update waits", "an update waits for a second reduction of its gradient (event)",
          (SPECULATION, )),
-    Wait("update.final", SPEC, "mode.copies.compute_waits(self._final_event.pop(i, None))", "pass",
+    Wait("update.final", UPDATE, "mode.copies.compute_waits(spec.final_event.pop(i, None))", "pass",
          "an update waits for its gradient's reduction (DeepSpeed's reduction stream)", (SPECULATION, )),
-    Wait("update.grad_ready", SPEC, "mode.copies.compute_waits(grad_ready)", "pass",
+    Wait("update.grad_ready", UPDATE, "mode.copies.compute_waits(grad_ready)", "pass",
          "an update waits for the gradient buffer's allocation", (SPECULATION, )),
-    Wait("update.cast_ready", SPEC, "mode.copies.compute_waits(cast_ready)", "pass",
+    Wait("update.cast_ready", UPDATE, "mode.copies.compute_waits(cast_ready)", "pass",
          "an update waits for its 16-bit cast's allocation", (SPECULATION, )),
-    Wait("update.queued", SPEC, "mode.copies.compute_waits(queued)", "pass",
+    Wait("update.queued", UPDATE, "mode.copies.compute_waits(queued)", "pass",
          "an update waits for the compute stream's writes of device small state", (SPECULATION, )),
     Wait("decide.join", SPEC, "self.mode.copies.join_side()  # the step (and", "pass  # the step (and",
          "the step (and the gradient buffer's drop) after every update", (SPECULATION, )),
@@ -93,7 +94,7 @@ WAITS = [
     Wait("discard_all.join", SPEC, "self.mode.copies.join_side()\n        for i, spec in self.updated.items():",
          "for i, spec in self.updated.items():", "a rollback (a step that raised) after the side stream's work",
          (SPECULATION, )),
-    Wait("update.kept_ready", SPEC, "mode.copies.compute_waits(kept_ready)", "pass",
+    Wait("update.kept_ready", UPDATE, "mode.copies.compute_waits(kept_ready)", "pass",
          "an update's device copy of the state before it waits for that copy's allocation (implied by "
          "cast_ready)", (SPECULATION, )),
     Wait("restore.written", RES, "waits=(r.written, )", "waits=()",

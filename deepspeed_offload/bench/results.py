@@ -115,7 +115,7 @@ def handle_stats(handle, engine, between_GiB):
     store = getattr(handle, "store", None)
     slot_bytes = getattr(handle, "slot_bytes", 0)
     out = {"sub_groups": len(getattr(handle, "order", [])), "slot_GiB": slot_bytes / GiB,
-           "last_step": handle.step_stats(), "counters": getattr(handle, "counters", None),
+           "last_step": handle.step_stats(), "counters": handle.compile.counters if getattr(handle, "compile", None) is not None else None,
            "host_store_bytes": getattr(store, "nbytes", None),
            "speculation": None if getattr(handle, "speculation", None) is None else
            dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members),

@@ -120,7 +120,7 @@ def growth(trace, active_end, reserved_end, marks, after=-1):
             if it >= after:
                 out.append({"iteration": it, "phase": phase, "MiB": e["size"] / 2**20, "stream": e.get("stream"),
                             "reserved_GiB": reserved / GiB, "active_GiB": active / GiB,
-                            "frames": [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+                            "frames": [f"{OURS.split(f['filename'])[-1]}:{f['line']} {f['name']}"
                                        for f in e.get("frames", []) if OURS.search(f["filename"])][:GROWTH_FRAMES]})
         reserved += RESERVES.get(action, 0) * e["size"]
         active += IN_USE.get(action, 0) * e["size"]

@@ -26,9 +26,24 @@ def engine_with_pass():
     return engine if engine is not None and get_handle(engine) is not None else None
 
 
+def check_engine(engine):
+    """Compile mode's refusals, before anything changes (attach's ``check``)."""
+    from ..errors import BLOCK, ConfigError
+    if engine.is_compiled:
+        raise ConfigError(f"{BLOCK}.mode", "the engine is already compiled: attach compile mode before "
+                          "engine.compile(), or use deepspeed_offload.initialize")
+    other = engine_with_pass()
+    if other is not None and other is not engine:
+        raise ConfigError(f"{BLOCK}.mode", "compile mode is attached to another engine of this process already: "
+                          "DeepCompile keeps one pass table and one schedule per process, so a second engine's "
+                          "pass would replace the first's. Use mode 'stream' for this engine, or detach the "
+                          "other first (deepspeed_offload.get_handle(engine).detach())")
+
+
 def attach_compile(engine, offload_config, placement=None, probe=None):
     """Compile mode on ``engine`` (before ``engine.compile()``): the runtime, and our pass in the
-    schedule ``engine.compile()`` will run. Returns the handle; on a failure nothing is left."""
+    schedule ``engine.compile()`` will run. Returns the handle (the stream mode the driver composes,
+    its ``compile`` the driver); on a failure nothing is left."""
     global _engine_with_pass
     from ..runtime.attach import fault_point
     from .mode import CompileMode
@@ -38,7 +53,7 @@ def attach_compile(engine, offload_config, placement=None, probe=None):
         install(engine, mode)
         fault_point("compile setup")
     except BaseException:
-        mode.undo_attach()
+        mode.stream.undo_attach()
         raise
     _engine_with_pass = weakref.ref(engine)
-    return mode
+    return mode.stream

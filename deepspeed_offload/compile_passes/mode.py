@@ -1,7 +1,9 @@
-"""Compile mode's runtime: stream mode's host store and streamed step, driven by ops in the graphs.
+"""Compile mode's runtime: stream mode's parts, driven by ops in the graphs.
 
-One host store, one streamed step, one residency table (``runtime/stream.py``,
-``runtime/residency.py``); this class only adds what the ops do:
+``CompileMode`` holds one ``StreamMode`` (``runtime/step/stream.py``) built with its early loads off
+and its write-backs deferred, and uses its parts: one host store, one streamed step, one residency
+table (``runtime/memory/residency.py``). The stream mode is the engine's handle (``get_handle``);
+its ``compile`` names this driver. This class only adds what the ops do:
 
 - ``reload`` (in backward, where the planner found room): ``preload`` loads a sub-group into
   buffers of its own (``ResidencyTable.load``); the step updates it there instead of streaming it.
@@ -41,7 +43,8 @@ from typing import Dict
 from deepspeed.utils import log_dist
 
 from ..runtime.attach import Placement
-from ..runtime.stream import StreamMode
+from ..runtime.memory.layout import probe_layout
+from ..runtime.step.stream import StreamMode
 from . import ops
 
 # With memory_budget_gb unset, the planner leaves this share of the device for what it cannot see.
@@ -56,48 +59,62 @@ def _deepcompile_is_profiling() -> bool:
     return handle is not None and bool(handle.is_profiling())
 
 
-class CompileMode(StreamMode):
+class CompileMode:
     """Attached to one engine that will run under DeepCompile with our pass in its schedule. The
     reload ops the planner places load early instead of the gradient hook, and ``offload_launch`` at
     the next forward's head writes back what the step left in buffers of its own."""
 
     def __init__(self, engine, cfg, placement=None, probe=None, is_profiling=_deepcompile_is_profiling):
         if placement is None:  # built directly: capacity-first, nothing resident at attach
-            from ..runtime.layout import probe_layout
             probe = probe or probe_layout(engine.optimizer)
             placement = Placement.without_agreement(cfg, probe, resident_budget=False)
-        super().__init__(engine, cfg, placement, probe, early_in_backward=False, defer_write_back=True)
+        self.stream = StreamMode(engine, cfg, placement, probe, early_in_backward=False, defer_write_back=True)
+        self.engine, self.cfg = engine, cfg
         self.is_profiling = is_profiling
         self.counters: Dict[str, int] = dict(launches=0, reloads=0, empty_cache=0, syncs=0, bytes_offloaded=0,
                                              bytes_reloaded=0, phases=0)
         # The step streams order[0] first and prefetch loads it during backward; the ones reloaded
         # early are therefore the last of the order, and they are written back in the same order
         # so that the next reload of each finds its own write-back done first.
-        self.priority = list(reversed(self.order))
+        self.priority = list(reversed(self.stream.order))
         self._planner_budget = self._budget(placement)
         self._empty_cache_armed = False
-        self.ops_key = ops.bind(self)
+        self.ops_key = None
+        try:
+            self.ops_key = ops.bind(self)
+        except BaseException:
+            self.stream.undo_attach()
+            raise
+        self.stream.compile = self
+        self.stream.on_detach(self._unbind)
         log_dist(f"[deepspeed-offload] compile mode: planner budget {self.planner_budget_bytes() / 2**30:.1f} GiB",
                  ranks=[0])
 
-    def detach(self):
+    def _unbind(self):
+        """The stream mode detaches (or its attach is undone): the ops and the pass let go of it."""
         from .schedule import unregister
-        ops.unbind(self.ops_key)
-        unregister(self)
-        super().detach()
-
-    def undo_attach(self):
-        from .schedule import unregister
-        if getattr(self, "ops_key", None) is not None:
+        if self.ops_key is not None:
             ops.unbind(self.ops_key)
-            unregister(self)
-        super().undo_attach()
+            self.ops_key = None
+        unregister(self)
+
+    # what the pass (schedule.py) reads of the stream mode it drives
+    @property
+    def slot_bytes(self) -> int:
+        return self.stream.slot_bytes
+
+    @property
+    def patches(self):
+        return self.stream.patches
+
+    def drain(self):
+        self.stream.synchronize_for_checkpoint()
 
     @property
     def kept(self):
         """Reloaded sub-groups that stay on the device between steps (this phase): the timing
         policy's, which prefetch leaves alone and the step loads into buffers of their own."""
-        return self.timing.kept
+        return self.stream.timing.kept
 
     def planner_budget_bytes(self) -> int:
         return self._planner_budget
@@ -108,14 +125,14 @@ class CompileMode(StreamMode):
         smallest device among the ranks (attach exchanged their sizes)."""
         if self.cfg.memory_budget_gb is not None:
             return int(self.cfg.memory_budget_gb * 2**30)
-        if self.copies.synchronous:
+        if self.stream.copies.synchronous:
             return 0
         total = placement.min_device_total if placement is not None and placement.min_device_total else \
-            self.acc.total_memory()
+            self.stream.acc.total_memory()
         return int(total * (1 - MARGIN))
 
     def sub_group_bytes(self, i) -> int:
-        return self.layout.nbytes[i]
+        return self.stream.layout.nbytes[i]
 
     def begin_phase(self):
         """Called by the pass on the first forward graph of a compile phase, before it is profiled:
@@ -123,9 +140,9 @@ class CompileMode(StreamMode):
         # DeepCompile calls passes from inside AOT's fake mode; these are real copies of real tensors.
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():
-            self.synchronize_for_checkpoint()
-            self.table.release_loaded()
-        self.timing.kept = frozenset()  # the pass decides again from this phase's profile
+            self.stream.synchronize_for_checkpoint()
+            self.stream.table.unload_all()
+        self.stream.timing.kept = frozenset()  # the pass decides again from this phase's profile
         self._empty_cache_armed = True
         self.counters["phases"] += 1
 
@@ -137,31 +154,17 @@ class CompileMode(StreamMode):
         kept = frozenset(int(i) for i in sub_groups)
         if only_fewer:
             kept &= self.kept
-        self.timing.kept = kept
-        nbytes = sum(self.layout.nbytes[i] for i in self.kept)
-        log_dist(f"[deepspeed-offload] compile mode: {len(self.kept)} of {len(self.order)} sub-groups "
+        self.stream.timing.kept = kept
+        nbytes = sum(self.sub_group_bytes(i) for i in self.kept)
+        log_dist(f"[deepspeed-offload] compile mode: {len(self.kept)} of {len(self.stream.order)} sub-groups "
                  f"({nbytes / 2**30:.2f} GiB) stay on the device between steps", ranks=[0])
-
-    # ------------------------------------------------------------------ early loads and late write-backs
-
-    def preload(self, i) -> int:
-        """H2D of sub-group ``i`` into buffers of its own, ahead of the step. Returns the bytes it
-        started to copy (0 if it is on the device already, or a step is running)."""
-        if self._in_step or self.table[i].on_device:
-            return 0
-        self._load(i, staged=False, early=True)
-        return self.layout.nbytes[i]
-
-    def offload(self, i) -> int:
-        """D2H of a sub-group the last step updated in its own buffers (0 if there is none)."""
-        return self.offload_for_forward([i])
 
     # ------------------------------------------------------------------ what the ops call
 
     def _known(self, i):
-        if i not in self.table.of:
+        if i not in self.stream.table.of:
             raise RuntimeError(f"torch.ops.ds_offload names sub-group {i}, which this engine does not offload "
-                               f"(it has {len(self.order)}): the graph was compiled for another model or "
+                               f"(it has {len(self.stream.order)}): the graph was compiled for another model or "
                                "sub_group_size; clear the inductor cache (TORCHINDUCTOR_CACHE_DIR) and recompile")
 
     def _count(self, ops_key, bytes_key, moved):
@@ -173,23 +176,23 @@ class CompileMode(StreamMode):
         if not self.is_profiling():
             self._known(i)
             if i not in self.kept:
-                self._count("launches", "bytes_offloaded", self.offload(i))
+                self._count("launches", "bytes_offloaded", self.stream.offload_for_forward([i]))
 
     def op_reload(self, i):
         if not self.is_profiling() and self.engine.is_gradient_accumulation_boundary():
             self._known(i)
-            self._count("reloads", "bytes_reloaded", self.preload(i))
+            self._count("reloads", "bytes_reloaded", self.stream.preload(i))
 
     def op_empty_cache(self):
         if self.is_profiling() or not self._empty_cache_armed:
             return
         self._empty_cache_armed = False
-        self.acc.empty_cache()
+        self.stream.acc.empty_cache()
         self.counters["empty_cache"] += 1
 
     def op_copy_stream_sync(self):
         if self.is_profiling():
             return
         # The newest H2D: the copy stream runs them in order, so every reload is done after it.
-        self.copies.compute_waits(self.table.last_load)
+        self.stream.copies.compute_waits(self.stream.table.last_load)
         self.counters["syncs"] += 1

@@ -20,7 +20,7 @@ later reload is placed as the plan saw it.
 
 from typing import Dict, List, Sequence, Tuple
 
-from ..runtime.layout import fitting_prefix
+from ..runtime.memory.layout import fitting_prefix
 
 
 def suffix_peaks(records: Sequence[Tuple[str, int]]) -> Dict[str, int]:

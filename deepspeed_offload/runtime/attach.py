@@ -6,9 +6,9 @@ others in their next collective until the timeout:
 
 1. **prepare** (``Prepared``): everything that can fail without changing anything: the
    ``DS_OFFLOAD_*`` settings, the engine's checks, what each sub-group moves (the layout's probe).
-   Then one exchange of every rank's figures (``placement.RankFigures``), the node's host memory
+   Then one exchange of every rank's figures (``node_plan.RankFigures``), the node's host memory
    read by its first local rank before any rank pinned anything.
-2. **place**: every rank judges every node's host plan from those figures (``placement.plan_node``:
+2. **place**: every rank judges every node's host plan from those figures (``node_plan.plan_node``:
    the same verdict everywhere), then decides its own split (resident sub-groups, store, second
    regions). A second exchange gives each node's first local rank the exact figures of its ranks,
    and it logs the node's plan.
@@ -32,10 +32,10 @@ from ..errors import BLOCK, ConfigError
 from ..handle import get_handle
 from ..estimate import deepspeed_pinned_per_rank
 from . import agreement
-from .copies import make_copies
-from .layout import Probe, probe_layout
-from .placement import (RankFigures, check_resident_fits, describe_node, host_first_resident, node_of_this_rank,
-                        plan_node)
+from .staging.copies import make_copies
+from .memory.layout import Probe, probe_layout
+from .memory.node_plan import (RankFigures, check_resident_fits, describe_node, host_first_resident, node_of_this_rank,
+                               plan_node)
 
 # Tests only: called with each stage's name ("settings", "host memory" where they begin; "pinning",
 # "moving", "patching", "compile setup" once they have done their work, so that it must be undone);
@@ -83,9 +83,11 @@ class Placement:
                    store_cap=probe.total - probe.resident_bytes(resident))
 
 
-def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], object]):
-    """Attach ``build``'s mode to ``engine`` on every rank, or on none."""
-    prepared = _agreed("attach", lambda: prepare(engine, plan))
+def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], object],
+                check: Optional[Callable[[object], None]] = None):
+    """Attach ``build``'s mode to ``engine`` on every rank, or on none. ``check(engine)``: the mode's own
+    refusals, run with the others before anything changes."""
+    prepared = _agreed("attach", lambda: prepare(engine, plan, check))
     rows = agreement.exchange_numbers(prepared.figures.row())
     figures = [RankFigures.from_row(r) for r in rows]
     rank, _ = agreement.rank_world()
@@ -111,11 +113,11 @@ def attach_mode(engine, plan: Plan, build: Callable[[Placement, Prepared], objec
     return mode
 
 
-def prepare(engine, plan: Plan) -> Prepared:
+def prepare(engine, plan: Plan, check: Optional[Callable[[object], None]] = None) -> Prepared:
     """Phase 1 on this rank: what can fail before anything changes."""
     fault_point("settings")
     read_env()
-    check_engine(engine, plan)
+    check_engine(engine, plan, check)
     acc = get_accelerator()
     synchronous = make_copies(acc).synchronous
     probe = probe_layout(engine.optimizer)
@@ -167,7 +169,7 @@ def place(prepared: Prepared, figures: List[RankFigures], rank: int):
                      aside_budget=node_plan.aside_cap.get(rank, 0)), node_plan
 
 
-def check_engine(engine, plan: Plan):
+def check_engine(engine, plan: Plan, check: Optional[Callable[[object], None]] = None):
     """What the engine must be for ``plan``: refused with a ConfigError before anything changes."""
     if get_handle(engine) is not None:
         raise ConfigError(BLOCK, "this engine already has optimizer-state offload attached (by initialize, "
@@ -185,17 +187,8 @@ def check_engine(engine, plan: Plan):
     if getattr(opt, "offload_optimizer", False) or getattr(opt, "swap_optimizer", False):
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           "the engine already uses ZeRO-Offload for the optimizer state; rebuild it without")
-    if plan.mode == "compile" and engine.is_compiled:
-        raise ConfigError(f"{BLOCK}.mode", "the engine is already compiled: attach compile mode before "
-                          "engine.compile(), or use deepspeed_offload.initialize")
-    if plan.mode == "compile":
-        from ..compile_passes import engine_with_pass
-        other = engine_with_pass()
-        if other is not None and other is not engine:
-            raise ConfigError(f"{BLOCK}.mode", "compile mode is attached to another engine of this process already: "
-                              "DeepCompile keeps one pass table and one schedule per process, so a second engine's "
-                              "pass would replace the first's. Use mode 'stream' for this engine, or detach the "
-                              "other first (deepspeed_offload.get_handle(engine).detach())")
+    if check is not None:
+        check(engine)
     # (one sub-group because the whole shard is smaller than a staging slot's worth is no setting's fault)
     if len(opt.fp16_groups) == 1 and not plan.sub_group_size_set_by_us and \
             opt.fp32_partitioned_groups_flat[0].numel() > plan.offload.sub_group_size:

@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from deepspeed_offload.runtime.copies import COPIES, JOINED
+from deepspeed_offload.runtime.staging.copies import COPIES, JOINED
 from stream_order import StreamOrder, key_of
 
 
@@ -152,7 +152,7 @@ class DeferredCopies:
         self._pools.pop(key, None)
         self.order.forget(key)
 
-    def release(self, *tensors, read_by_copies=False):
+    def free(self, *tensors, read_by_copies=False):
         """JOINED buffers about to be dropped without a join: ``AsyncCopies`` records them on the side
         stream (and on the D2H stream, ``read_by_copies``), so their blocks are reused after the work
         queued by now on those streams and on the stream they were allocated on. An access to one

@@ -30,8 +30,9 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 import deepspeed_offload
 from deepspeed_offload.compat import TENSOR_BACKWARD, at_least
-from deepspeed_offload.runtime.colocation import GRAD_VIEWS
-from deepspeed_offload.runtime.host_store import MASTER
+from deepspeed_offload.runtime.colocation.partitions import GRAD_VIEWS
+from deepspeed_offload.runtime.memory.host_store import MASTER
+from deepspeed_offload.runtime.memory.resplit import resplit
 from harness import NO_FP16, inject_checkpoint_faults
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -231,7 +232,7 @@ def abort_step(engine, fail_at=None):
     base = engine.optimizer.optimizer
     real_step, calls = base.step, []
     handle = deepspeed_offload.get_handle(engine)
-    kept = sorted(getattr(handle, "kept", ()))
+    kept = sorted(handle.timing.kept)
     fail_call = 2 if fail_at is None else kept[0] + 1  # the step updates sub-groups 0, 1, ... in order
     before = {i: handle.table.view(i, MASTER).clone() for i in kept if handle.table[i].on_device}
 
@@ -249,7 +250,7 @@ def abort_step(engine, fail_at=None):
         raised = str(e)
     finally:
         base.step = real_step
-    out = {"raised": raised, "host_resident": handle.host_resident(), "in_step": handle._in_step,
+    out = {"raised": raised, "host_resident": handle.tensors.host_resident(), "in_step": handle._in_step,
            "slots": handle.table.slots is not None}
     if fail_at is not None:
         out["kept_on_device"] = sorted(before)
@@ -268,7 +269,7 @@ class CompileOps:
         from deepspeed_offload.compile_passes.mode import CompileMode
         from deepspeed_offload.config import OffloadConfig
         self.mode = CompileMode(engine, OffloadConfig(enabled=True, mode="compile", memory_budget_gb=0))
-        setattr(engine, "_deepspeed_offload", self.mode)
+        setattr(engine, "_deepspeed_offload", self.mode.stream)  # the engine's handle, as attach sets it
         k = len(self.mode.priority) if spec["reload"] == "all" else spec["reload"]
         self.reloads = self.mode.priority[:k]
         keep = len(self.reloads) if spec.get("keep") == "all" else spec.get("keep", 0)
@@ -344,7 +345,7 @@ def colocation_cycle(engine, spec, step):
     handle = deepspeed_offload.get_handle(engine)
     pending = handle is not None and handle.checkpointer is not None and handle.checkpointer.pending()
     before = [] if handle is None else [i for i in handle.order if handle.table[i].on_device]
-    kept = sorted(getattr(handle, "kept", ()))  # compile mode's sub-groups that stay on the device (this phase)
+    kept = sorted(handle.timing.kept)  # compile mode's sub-groups that stay on the device (this phase)
     views = dict(getattr(engine.optimizer, GRAD_VIEWS))
     engine.offload_states(include=include, pin_memory=step % 2 == 0, non_blocking=step % 3 == 1)
     if spec["colocate"].get("read_while_offloaded"):
@@ -352,7 +353,7 @@ def colocation_cycle(engine, spec, step):
     rec = {"checkpoint_pending": pending, "include": None if include is None else sorted(str(getattr(k, "value", k)) for k in include),
            "offloaded": sorted(s.value for s in engine.optimizer.offloaded_states)}
     if handle is not None:
-        rec.update(offload_bytes=handle.colocation.offload_bytes, host_resident=handle.host_resident(),
+        rec.update(offload_bytes=handle.colocation.offload_bytes, host_resident=handle.tensors.host_resident(),
                    before=before, kept=kept,
                    on_device=[i for i in handle.order if handle.table[i].on_device],
                    resident_in_store=resident_in_store(handle))
@@ -422,7 +423,7 @@ def colocation_with_fault(engine, fault):
     if here and fault["at"] == "reload":
         def out_of_memory(non_blocking):
             raise RuntimeError("injected failure: out of device memory for the gradient buffer")
-        colocation._reload_lp_grads = out_of_memory
+        colocation.lp.reload_grads = out_of_memory
     t0 = time.perf_counter()
     try:
         engine.offload_states() if fault["at"] == "offload" else engine.reload_states()
@@ -431,7 +432,7 @@ def colocation_with_fault(engine, fault):
         raised = f"{type(e).__name__}: {e}"
     finally:
         HostMemory.read = read
-        vars(colocation).pop("_reload_lp_grads", None)
+        vars(colocation.lp).pop("reload_grads", None)
     seconds = time.perf_counter() - t0
     after = colocation_snapshot(engine)
     changed = [k for k in ("offloaded", "in_store") if before[k] != after[k]]
@@ -567,8 +568,8 @@ def copy_executor(spec):
         return
     from deferred_copies import DeferredCopies
     from stream_order import declare_deepspeed
-    import deepspeed_offload.runtime.hooks as hooks_mod
-    import deepspeed_offload.runtime.stream as stream_mod
+    import deepspeed_offload.runtime.step.hooks as hooks_mod
+    import deepspeed_offload.runtime.step.stream as stream_mod
     made, install = stream_mod.make_copies, hooks_mod.install
 
     def install_hooks(mode):
@@ -585,9 +586,9 @@ def copy_executor(spec):
 
 @contextlib.contextmanager
 def slab_size(spec):
-    """``slab_bytes``: the host store's slabs that small (runtime/pinned.py), so that the measured
+    """``slab_bytes``: the host store's slabs that small (runtime/memory/pinned.py), so that the measured
     plan's moves release and lock single sub-groups' memory, as a large model's do."""
-    from deepspeed_offload.runtime import pinned
+    from deepspeed_offload.runtime.memory import pinned
     default = pinned.SLAB_BYTES
     pinned.SLAB_BYTES = spec.get("slab_bytes") or default
     try:
@@ -636,7 +637,7 @@ def train_with(spec):
         # the measured plan on the CPU, over a device whose figures are scripted
         from collections import deque
         s, handle = spec["scripted_memory"], deepspeed_offload.get_handle(engine)
-        from deepspeed_offload.runtime.iteration_memory import DeviceMemory
+        from deepspeed_offload.runtime.memory.iteration_memory import DeviceMemory
         scripted = ScriptedMemory(handle, s["limit"], s["fixed"], s["per_element"])
         handle.measure_with(DeviceMemory(scripted))
         handle.plan.margin = s["margin"]
@@ -688,7 +689,7 @@ def train_with(spec):
         # peak guarantee's bookkeeping)
         handle = deepspeed_offload.get_handle(engine)
         handle.timing.early_cap = int(spec["early_cap_share"] * sum(handle.layout.nbytes[i] for i in handle.order))
-        load_early = handle._load_early
+        load_early = handle.early.load
 
         def watched(allowance):
             load_early(allowance)
@@ -696,7 +697,7 @@ def train_with(spec):
             result_extra["early_held_max"] = max(result_extra.get("early_held_max", 0), held)
             result_extra["early_cap"] = handle.timing.early_cap
 
-        handle._load_early = watched
+        handle.early.load = watched
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]
@@ -713,7 +714,7 @@ def train_with(spec):
         engine.load_checkpoint(spec["resume"]["dir"], tag=spec["resume"].get("tag"))
         start = engine.global_steps
         handle = deepspeed_offload.get_handle(engine)
-        loaded_into_store = handle.host_resident() if handle is not None else None
+        loaded_into_store = handle.tensors.host_resident() if handle is not None else None
     for step in range(spec.get("steps", 6)):
         iteration_start = time.perf_counter()
         for micro in range(gas):
@@ -779,7 +780,7 @@ def train_with(spec):
                         {"resident": len(handle.resident), "give_backs": handle.plan.give_backs,
                          "take_backs": handle.plan.take_backs,
                          "members": sorted(handle.speculation.members) if handle.speculation else [],
-                         "twins": sorted(handle.store.twins), "released": sorted(handle.store.released)})
+                         "twins": sorted(handle.store.twins), "released": sorted(handle.store.unpinned)})
             for at, limit in (spec.get("scripted_memory") or {}).get("grow_at", []):
                 if scripted is not None and micro == gas - 1 and step == at:
                     # a rollout engine beside training gives its memory back: offload_states / reload_states
@@ -789,10 +790,10 @@ def train_with(spec):
                     engine.reload_states()
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
-                    handle._place(k)
+                    resplit(handle, k)
                     result_extra.setdefault("placed", []).append(
-                        (len(handle.resident), list(handle.order), sorted(handle.store.released),
-                         handle.store.slabs.released_bytes, list(handle.resident)))
+                        (len(handle.resident), list(handle.order), sorted(handle.store.unpinned),
+                         handle.store.slabs.unpinned_bytes, list(handle.resident)))
             if step == spec.get("detach_after") and micro == gas - 1:
                 result_extra["detach"] = detach_and_check(engine)
         for save in spec.get("saves", []):
@@ -825,10 +826,10 @@ def train_with(spec):
     if handle is not None:
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
                             "stats": handle.step_stats(), "keys": sorted(handle.store.slices[min(handle.store.slices)]),
-                            "counters": getattr(handle, "counters", None),
-                            "released_unused": getattr(handle, "released_unused", None),
+                            "counters": handle.compile.counters if handle.compile is not None else None,
+                            "unloaded_unused": getattr(handle, "unloaded_unused", None),
                             "overlap": getattr(handle, "overlap", None),
-                            "kept": sorted(getattr(handle, "kept", ())),
+                            "kept": sorted(handle.timing.kept),
                             "speculation": None if getattr(handle, "speculation", None) is None else
                             dict(handle.speculation.counters.as_dict(), members=sorted(handle.speculation.members),
                                  from_device_members=sorted(handle.speculation.from_device),

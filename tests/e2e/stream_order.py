@@ -225,7 +225,7 @@ def declare_deepspeed(mode):
     - a forward reads every 16-bit partition (its all-gathers, on the compute stream);
     - ``_reassign_or_swap_out_partitioned_parameters`` writes the sub-group's 16-bit partition on the
       compute stream (the step's copy of the updated master);
-    - a speculated update reads its sub-group's gradient partitions (``Speculation._fp32_grad``, on the
+    - a speculated update reads its sub-group's gradient partitions (``speculation/compute.py``'s ``_fp32_grad``, on the
       side stream). A parameter reduced again after its sub-group's update read its partition voids
       that update (``Speculation.discard``): those reads no longer count, their result is dropped;
     - the readers of host state (``state_dict``, ``_get_fp32_opt_state_partition``) read, on the host,
@@ -326,15 +326,18 @@ def declare_deepspeed(mode):
     declare_colocation(mode)
 
     if spec is not None:
-        fp32_grad = spec._fp32_grad
+        # (a module function: wrapped once per process, it records only this engine's speculation)
+        from deepspeed_offload.runtime.speculation import compute
+        fp32_grad = compute._fp32_grad
 
-        def reads_partitions(i, out):
-            for p in opt.fp16_groups[i]:
-                if p.requires_grad:
-                    order.access(partitions()[p.ds_id], write=False)
-            return fp32_grad(i, out)
+        def reads_partitions(spec_, i, out):
+            if spec_ is spec:
+                for p in opt.fp16_groups[i]:
+                    if p.requires_grad:
+                        order.access(partitions()[p.ds_id], write=False)
+            return fp32_grad(spec_, i, out)
 
-        spec._fp32_grad = reads_partitions
+        compute._fp32_grad = reads_partitions
 
 
 def declare_colocation(mode):

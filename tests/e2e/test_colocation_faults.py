@@ -1,4 +1,4 @@
-"""``engine.offload_states()`` / ``reload_states()`` fail on every rank or on none (runtime/colocation.py):
+"""``engine.offload_states()`` / ``reload_states()`` fail on every rank or on none (runtime/colocation/offload_states.py):
 a failure on rank 1 alone (at offload, the resident sub-groups' host copy finds the host short of
 memory, the real check; at reload, a device allocation fails after part of the state came back) or
 on both ranks raises on both ranks within seconds (no rank goes on into its next collective), each

@@ -1,4 +1,4 @@
-"""Speculation (``runtime/speculation.py``) is bit-for-bit plain ZeRO-3: sub-groups updated in
+"""Speculation (``runtime/speculation/updates.py``) is bit-for-bit plain ZeRO-3: sub-groups updated in
 backward before the gradient norm is known, committed when the norm allows, discarded when clipping
 fires, the loss scale moves or a step overflows. 2 gloo ranks (the norm is all-reduced), many
 sub-groups (one parameter each), two param groups, a frozen layer, a layer unused in the first steps,

@@ -439,7 +439,7 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
     GB = 10**9
     marks = [{"forward": 1000, "backward": 1500, "step": 2000, "end": 3000},
              {"forward": 4000, "backward": 4500, "step": 5000, "end": 6000}]
-    ours = {"filename": "/r/deepspeed_offload/runtime/residency.py", "line": 211, "name": "_slot"}
+    ours = {"filename": "/r/deepspeed_offload/runtime/memory/residency.py", "line": 211, "name": "_slot"}
     theirs = {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}
     trace = [entry("segment_alloc", 1100, 4 * GB),  # first iteration: the pool being built, not listed
              entry("alloc", 1100, 3 * GB),
@@ -460,7 +460,7 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
     # a ring buffer that dropped the first entries: the same counts for what it kept
     kept = timeline.growth(trace[2:], active_end=7 * GB, reserved_end=20 * GB, marks=marks_2, after=1)
     assert [(g["reserved_GiB"], g["active_GiB"]) for g in kept] == [(g["reserved_GiB"], g["active_GiB"]) for g in grew]
-    assert grew[0]["frames"] == ["runtime/residency.py:211 _slot"] and grew[1]["stream"] == 7
+    assert grew[0]["frames"] == ["runtime/memory/residency.py:211 _slot"] and grew[1]["stream"] == 7
     assert grew[0]["MiB"] == 2 * GB / 2**20
     # without an ``after``, the first iteration's segment is listed too; before any mark, iteration -1
     every = timeline.growth(trace, 7 * GB, 20 * GB, marks)

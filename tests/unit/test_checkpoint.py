@@ -858,8 +858,8 @@ def test_the_writer_drops_the_snapshot_once_serialized(tmp_path, monkeypatch):
     ckpt.wait()
     gc.collect()
     assert len(snapped) == 2 and all(ref() is None for ref in snapped)
-    assert ckpt.staged.released() and ckpt.future.done() and ckpt.last["background_s"] is not None
-    with pytest.raises(RuntimeError, match="released"):
+    assert ckpt.staged.freed() and ckpt.future.done() and ckpt.last["background_s"] is not None
+    with pytest.raises(RuntimeError, match="freed"):
         ckpt.staged.files
     job = writer.SaveJob(save_dir="d", tag="t", save_id=SAVE_ID, rank=0, world=1, save_latest=True, zipfile=True,
                          paths=())

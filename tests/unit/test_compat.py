@@ -13,7 +13,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from deepspeed_offload import compat
-from deepspeed_offload.runtime import host_store
+from deepspeed_offload.runtime.memory import host_store
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "deepspeed_offload"

@@ -10,8 +10,8 @@ from conftest import GiB, write_host
 from deepspeed_offload import ConfigError, host_memory
 from deepspeed_offload.estimate import host_plan
 from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
-from deepspeed_offload.runtime import pinned
-from deepspeed_offload.runtime.host_store import MASTER, HostStore
+from deepspeed_offload.runtime.memory import pinned
+from deepspeed_offload.runtime.memory.host_store import MASTER, HostStore
 
 STATE_7B = 80_860_987_392  # 6,738,415,616 parameters x 12 bytes: 75.31 GiB
 H200_HOST = dict(total=125 * GiB, available=122 * GiB)  # the GPU machine's host
@@ -199,13 +199,13 @@ def test_the_store_gives_back_the_memory_of_resident_sub_groups_and_locks_it_aga
     store.view(1, MASTER, other=True).fill_(7)
     locked = store.pinned_bytes
     assert locked == store.nbytes and len(pinner.registered) == 4  # 0, 1, {2, 3}, 1's second region
-    store.release([0, 1, 2])
-    assert store.released == {0, 1, 2} and len(pinner.unregistered) == 3  # 0, both of 1's; {2, 3} stays
+    store.unpin([0, 1, 2])
+    assert store.unpinned == {0, 1, 2} and len(pinner.unregistered) == 3  # 0, both of 1's; {2, 3} stays
     assert store.pinned_bytes == locked - 3 * 2 * page * 4
     assert torch.count_nonzero(store.view(0, MASTER)) == 0 and torch.count_nonzero(store.view(1, MASTER, other=True)) == 0
     assert torch.all(store.view(2, MASTER) == 3) and torch.all(store.view(3, MASTER) == 4)  # its slab was kept
-    store.reacquire([1, 2])
-    assert store.released == {0} and len(pinner.registered) == 6  # 1's two slabs locked again, at their sizes
+    store.repin([1, 2])
+    assert store.unpinned == {0} and len(pinner.registered) == 6  # 1's two slabs locked again, at their sizes
     assert [n for _, n in pinner.registered[-2:]] == [2 * page * 4] * 2
     assert store.pinned_bytes == locked - 2 * page * 4
     store.view(1, MASTER).fill_(5)  # its memory is held again when written
@@ -233,7 +233,7 @@ def test_a_slab_that_cannot_be_unlocked_is_kept(fake_host, monkeypatch):
     monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
     store = HostStore({0: [(MASTER, torch.float32, 2 * page)], 1: [(MASTER, torch.float32, page)]}, pin_memory=True)
     store.view(0, MASTER).fill_(3)
-    store.release([0])
+    store.unpin([0])
     assert store.pinned_bytes == store.nbytes and torch.all(store.view(0, MASTER) == 3)
 
 
@@ -246,13 +246,13 @@ def test_a_slab_that_cannot_be_locked_again_stays_pageable(fake_host, monkeypatc
     pinner = RecordingPinner()
     monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
     store = HostStore({0: [(MASTER, torch.float32, 2 * page)], 1: [(MASTER, torch.float32, page)]}, pin_memory=True)
-    store.release([0])
+    store.unpin([0])
 
     def refuse(address, nbytes):
         raise RuntimeError("cudaHostRegister of 8 KiB failed with CUDA error 2")
     monkeypatch.setattr(pinner, "register", refuse)
-    store.reacquire([0])
-    assert store.released == set() and store.pinned_bytes == store.nbytes - 2 * page * 4
+    store.repin([0])
+    assert store.unpinned == set() and store.pinned_bytes == store.nbytes - 2 * page * 4
     store.view(0, MASTER).fill_(6)
     assert torch.all(store.view(0, MASTER) == 6)
 
@@ -260,7 +260,7 @@ def test_a_slab_that_cannot_be_locked_again_stays_pageable(fake_host, monkeypatc
 def test_pinning_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
     import sys
 
-    from deepspeed_offload.runtime import pinned
+    from deepspeed_offload.runtime.memory import pinned
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     lines = pinned._progress(10 * 2**30, show=True)
     assert isinstance(lines, pinned._ProgressLines)

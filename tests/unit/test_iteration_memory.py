@@ -3,7 +3,7 @@ runs; DeviceMemory: the iteration's peak kept across the load policy's resets.""
 
 import pytest
 
-from deepspeed_offload.runtime.iteration_memory import DeviceMemory, IterationMemory
+from deepspeed_offload.runtime.memory.iteration_memory import DeviceMemory, IterationMemory
 
 
 def test_one_size_seen_grows_in_proportion_and_never_below_what_was_measured():
@@ -74,7 +74,7 @@ def test_the_window_keeps_the_peak_across_the_load_policys_resets():
 
 
 def test_the_step_line_says_one_number_per_thing():
-    from deepspeed_offload.runtime.step_stats import StepStats
+    from deepspeed_offload.runtime.step.stats import StepStats
     stats = StepStats(copies=None)
     stats.offloaded, stats.resident, stats.speculated, stats.committed = 40, 122, 40, 40
     stats.bytes_h2d = stats.bytes_d2h = 3 * 2**30

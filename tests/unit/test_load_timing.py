@@ -4,7 +4,7 @@ up and down as a checkpointed backward's does, so the peak-keeping can be checke
 import math
 
 
-from deepspeed_offload.runtime.load_timing import LoadTiming
+from deepspeed_offload.runtime.step.load_timing import LoadTiming
 
 
 class FakeDevice:

@@ -10,7 +10,7 @@ that is on the device, where does it put each value?
 import pytest
 import torch
 
-from deepspeed_offload.runtime.state_tensors import unstored_state_device
+from deepspeed_offload.runtime.memory.state_tensors import unstored_state_device
 
 GROUPS = {
     "plain": {},

@@ -1,12 +1,12 @@
-"""Placement (runtime/placement.py): the node's host plan, judged once from its first local rank's
+"""Placement (runtime/memory/placement.py): the node's host plan, judged once from its first local rank's
 reading, and the measured plan's decisions, with faked figures."""
 
 import pytest
 
 from deepspeed_offload.errors import ConfigError
 from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
-from deepspeed_offload.runtime.placement import (MeasuredPlan, RankFigures, describe_node, host_first_resident,
-                                                 margin_bytes, plan_node)
+from deepspeed_offload.runtime.memory.node_plan import RankFigures, describe_node, host_first_resident, plan_node
+from deepspeed_offload.runtime.memory.placement import MeasuredPlan, margin_bytes
 
 GiB = 2**30
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed_offload.runtime.copies import SyncCopies, make_copies
-from deepspeed_offload.runtime.host_store import MASTER, HostStore
-from deepspeed_offload.runtime.residency import (LEGAL, PLACE_ALIGN, IllegalTransition, Phase, Residency,
+from deepspeed_offload.runtime.staging.copies import SyncCopies, make_copies
+from deepspeed_offload.runtime.memory.host_store import MASTER, HostStore
+from deepspeed_offload.runtime.memory.residency import (LEGAL, PLACE_ALIGN, IllegalTransition, Phase, Residency,
                                                  ResidencyTable, pack)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -110,7 +110,7 @@ def test_illegal_verbs_are_refused_by_the_table():
     t.arrive(0)
     t.mark_updated(0)
     with pytest.raises(IllegalTransition):
-        t.release(0)  # updated state cannot be dropped: it must be written back
+        t.unload(0)  # updated state cannot be dropped: it must be written back
 
 
 def test_a_kept_sub_group_is_updated_again_and_never_dropped():
@@ -124,7 +124,7 @@ def test_a_kept_sub_group_is_updated_again_and_never_dropped():
     t.arrive(0)  # the next step: UPDATED -> ON_DEVICE, no load
     assert t[0].phase is P.ON_DEVICE and t[0].host_stale
     with pytest.raises(IllegalTransition, match="newer than the host store"):
-        t.release_loaded()  # a failed step must not drop it: it marks it updated and writes it back
+        t.unload_all()  # a failed step must not drop it: it marks it updated and writes it back
     assert t[0].phase is P.ON_DEVICE
     t.mark_updated(0)
     t.write_back(0)
@@ -151,7 +151,7 @@ def test_own_buffers_round_trip_and_what_each_copy_waits_for():
     # the next load of the same sub-group waits for its own write-back
     t.load(1)
     assert copies.waits[-1][1][0] is written
-    t.release(1)
+    t.unload(1)
     assert t[1].phase is P.ON_HOST and t[1].buffers is None
 
 
@@ -217,7 +217,7 @@ def test_smaller_sub_groups_pack_into_a_slot_and_wait_only_for_what_was_in_their
         t.write_back(i)
     t.drain()
     assert [t.store.view(i, "exp_avg")[0].item() for i in range(4)] == [10.0, 11.0, 12.0, 13.0]
-    t.release_loaded()
+    t.unload_all()
     t.free_slots()
 
 
@@ -239,7 +239,7 @@ def test_release_keeps_the_host_copy_and_drain_waits_for_every_write_back():
     t.load(1, staged=True)
     t.arrive(1)
     t.view(1, MASTER).fill_(-1)  # changed on the device, never marked updated: dropped
-    assert sorted(t.release_loaded()) == [0, 1]
+    assert sorted(t.unload_all()) == [0, 1]
     assert t.store.view(1, MASTER).tolist() == [1.0] * 4 and t.early_bytes == 0
     for i in (0, 2):
         t.load(i)
@@ -501,7 +501,7 @@ def _speculation(table):
     """A ``Speculation`` over ``table`` with a stand-in for the stream mode (no members: the updates are
     made by hand, as ``Speculation._update`` makes them)."""
     from types import SimpleNamespace
-    from deepspeed_offload.runtime.speculation import Speculation
+    from deepspeed_offload.runtime.speculation.updates import Speculation
     opt = SimpleNamespace(optimizer=None, fp16_groups=[], fp32_partitioned_groups_flat=[])
     mode = SimpleNamespace(opt=opt, table=table, copies=table.copies, stats=None, guard=lambda i, other=False: None)
     return Speculation(mode, [])
@@ -512,8 +512,8 @@ def _update_over_the_host_region(spec, i):
     (``Rollback.DEVICE_COPY``): on the side stream, copy the loaded state into buffers of its own
     (``JOINED``), update it, make the 16-bit cast; then write the update back over the current host
     region."""
-    from deepspeed_offload.runtime.copies import JOINED
-    from deepspeed_offload.runtime.speculated import Speculated
+    from deepspeed_offload.runtime.staging.copies import JOINED
+    from deepspeed_offload.runtime.speculation.records import Speculated
     t, copies = spec.mode.table, spec.mode.copies
     t.load(i)
     n = t.store.region_numel(i)[torch.float32] // 2
@@ -546,8 +546,8 @@ def test_a_rollback_from_a_device_copy_holds_the_copy_until_its_restore_read_it(
     violation, and the deferred executor, which reuses such a block at once, restores NaN."""
     copies = DeferredCopies()
     if control:
-        release = copies.release
-        copies.release = lambda *tensors, read_by_copies=False: release(*tensors)
+        free = copies.free
+        copies.free = lambda *tensors, read_by_copies=False: free(*tensors)
     t = make_table(copies, groups=2)
     spec = _speculation(t)
     _update_over_the_host_region(spec, 1)
@@ -579,7 +579,7 @@ SPIN = int(1e9)
 
 
 def _gpu_table(numel=1 << 20):
-    from deepspeed_offload.runtime.copies import AsyncCopies
+    from deepspeed_offload.runtime.staging.copies import AsyncCopies
     layout = {i: [(MASTER, torch.float32, numel), ("exp_avg", torch.float32, numel)] for i in range(2)}
     store = HostStore(layout, pin_memory=True)
     for i in range(2):
@@ -697,7 +697,7 @@ def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by)
     ``release`` first: recorded on the side stream, it is held until the host sees the side stream
     finish, so an allocation queued meanwhile (the next forward's, when the host runs ahead of the
     step) takes another block."""
-    from deepspeed_offload.runtime.copies import AsyncCopies
+    from deepspeed_offload.runtime.staging.copies import AsyncCopies
     copies = AsyncCopies()
     numel = {torch.float32: 1 << 22}
     torch.cuda.synchronize()
@@ -709,7 +709,7 @@ def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by)
         torch.cuda._sleep(SPIN)  # the side stream still runs when the host drops the buffer
         bufs[torch.float32].fill_(1.0)
     if used_by == "released":
-        copies.release(*bufs.values())
+        copies.free(*bufs.values())
     else:
         copies.join_side()
     del bufs

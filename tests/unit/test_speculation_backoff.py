@@ -1,7 +1,7 @@
 """Speculation's ``Backoff``, alone: where clipping fires at every step, which boundary backwards
 speculate (the spacing docs/benchmarks.md and configuration.md quote), and that a commit resets it."""
 
-from deepspeed_offload.runtime.speculated import MAX_BACKOFF, Backoff
+from deepspeed_offload.runtime.speculation.records import MAX_BACKOFF, Backoff
 
 
 def speculating_steps(backoff, steps, rolls_back):

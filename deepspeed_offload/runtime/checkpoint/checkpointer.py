@@ -193,7 +193,7 @@ class AsyncCheckpointer:
         """Block until nothing of the host store is still to be read by the last save (copied aside, or
         written to its files), so all of it may be overwritten. False if ``timeout`` seconds passed first."""
         staged = self.staged
-        return staged is None or staged.wait_released(timeout)
+        return staged is None or staged.wait_freed(timeout)
 
     def guard(self, ranges=None):
         """Called by the streamed step right before it overwrites host state: the byte ``ranges``

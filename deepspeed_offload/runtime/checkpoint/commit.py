@@ -19,7 +19,7 @@ from deepspeed.utils import logger
 
 from .errors import CheckpointWriteError
 from .files import atomic_write, fsync_dir, read_json, read_text, remove
-from .names import (ALIVE, FAILED, JOURNAL_RE, MARKER, journal_path, leftovers_re, replaced_dir, staging_dir)
+from .names import ALIVE, FAILED, JOURNAL_RE, MARKER, journal_path, leftovers_re, replaced_dir, staging_dir
 from .options import Settings
 
 # Swaps, recoveries and removals of one process (every engine's rank 0) one at a time: another

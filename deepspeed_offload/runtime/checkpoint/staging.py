@@ -17,7 +17,7 @@ moments: the bulk) are taken one of two ways:
 
 Either way ``Regions`` knows, per host-store tensor, when its bytes may be overwritten (copied aside,
 or written to its file) and the step waits only for the sub-groups it is about to overwrite
-(``AsyncCheckpointer.guard``). ``StagedFiles`` is the handle the writer releases once everything is
+(``AsyncCheckpointer.guard``). ``StagedFiles`` is the handle the writer frees once everything is
 serialized (torch.distributed.checkpoint's ``AsyncStager.stage`` / ``synchronize_staging`` split).
 """
 
@@ -107,7 +107,7 @@ class Regions:
                     span[2] = max(0, span[2] - overlap)
             self._cond.notify_all()
 
-    def release(self):
+    def free(self):
         """Nothing more will be read (the writer finished, or failed)."""
         with self._cond:
             for span in self._spans:
@@ -156,7 +156,7 @@ class Capture:
 class StagedFiles:
     """This rank's files of one save, snapshotted: ``(staging path, state)`` pairs, the host-store
     ``regions`` they read and the copies aside still running. The writer serializes the files once
-    the copies are done, then calls ``release()``, which drops them; ``wait_released()`` blocks until
+    the copies are done, then calls ``free()``, which drops them; ``wait_freed()`` blocks until
     the whole host store may be overwritten."""
 
     def __init__(self, files: List[Tuple[str, object]], regions: Optional[Regions] = None, copies=None):
@@ -170,7 +170,7 @@ class StagedFiles:
     @property
     def files(self) -> List[Tuple[str, object]]:
         if self._files is None:
-            raise RuntimeError("the staged files were released")
+            raise RuntimeError("the staged files were freed")
         return self._files
 
     def wait_copied(self):
@@ -180,16 +180,16 @@ class StagedFiles:
         for future in self._copies:
             future.result()
 
-    def release(self):
+    def free(self):
         self._files = None
         self._copies = []
-        self.regions.release()
+        self.regions.free()
         self._released.set()
 
-    def released(self) -> bool:
+    def freed(self) -> bool:
         return self._released.is_set()
 
-    def wait_released(self, timeout: Optional[float] = None) -> bool:
+    def wait_freed(self, timeout: Optional[float] = None) -> bool:
         return self.regions.wait(None, timeout)
 
 

@@ -34,7 +34,7 @@ from .staging import StagedFiles
 @dataclass(frozen=True)
 class SaveJob:
     """What this rank writes for one save, fixed when ``save_checkpoint`` returns. The tensors are
-    not part of it: they are in the StagedFiles, which the writer releases once serialized."""
+    not part of it: they are in the StagedFiles, which the writer frees once serialized."""
 
     save_dir: str
     tag: str
@@ -144,7 +144,7 @@ def _write_files(job: SaveJob, staged: StagedFiles, heartbeat: Heartbeat, faults
         finally:
             # Serialized (or failed): the host store is no longer read, the step may overwrite it.
             obj = None  # noqa: F841 - no reference to the last snapshot either
-            staged.release()
+            staged.free()
         t = time.perf_counter()
         for name in written:
             publish(os.path.join(job.staging, name), faults.before_file)

@@ -15,12 +15,7 @@ Who moves what, per ``OffloadStateTypeEnum``:
   sub-groups kept on the device are written back to the main store and, at reload, loaded again into
   buffers of their own, where the next step expects them. Any optimizer the block accepts works
   (DeepSpeed's own code for these two asserts FusedAdam).
-- ``lp_params`` (the 16-bit partitions): the trainable ones in one copy of DeepSpeed's flat buffer, as
-  DeepSpeed does, and the frozen ones (a LoRA's base weights) one by one. DeepSpeed's own code maps
-  every module parameter into the flat buffer, which holds only the trainable ones, and fails on a
-  model with frozen parameters; its ``reload_states`` brings the flat buffer back, we the frozen ones.
-- ``lp_grads`` (the flat buffer of gradient partitions): ours both ways, with each parameter's view of
-  the buffer kept the same tensor object (DeepCompile holds them; DeepSpeed's reload makes new ones).
+- ``lp_params`` and ``lp_grads`` (the 16-bit partitions and their gradients): ``partitions.py``.
 - ``contiguous_grad_buffer`` (the reduce buckets): as DeepSpeed does, its ``reload_states`` makes them
   again.
 DeepSpeed's ``offload_states`` is not called at all: it ends with a ``gc.collect()``, a full collection
@@ -46,24 +41,19 @@ offloaded with, and raises: every rank's states are off the device as before, re
 ``reload_states()``.
 """
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
 
-from ..compat import drop_reduce_buffers
-from . import agreement
-from .host_store import MASTER, HostStore
+from ...compat import drop_reduce_buffers
+from .. import agreement
+from ..memory.host_store import MASTER, HostStore
+from .partitions import LP, LP_GRADS, Partitions16
 
 OURS = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)
-LP = OffloadStateTypeEnum.lp_params
-LP_GRADS = OffloadStateTypeEnum.lp_grads
 BUCKETS = OffloadStateTypeEnum.contiguous_grad_buffer
-# DeepSpeed's map from a parameter to its view of the gradient buffer (a private, name-mangled attribute).
-GRAD_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 class StatesOffloaded(RuntimeError):
@@ -98,8 +88,7 @@ class StateOffload:
         self.resident_on_host: Dict[OffloadStateTypeEnum, HostStore] = {}  # kind -> the store it is in
         self.kept: List[int] = []  # compile mode's sub-groups that were on the device at offload
         self.copied = None  # event of a non-blocking offload's copies into the resident host store
-        self.fp32_aliases: List[int] = []  # sub-groups whose master is its 16-bit partition (fp32), offloaded
-        self.frozen_on_host: List[tuple] = []  # (ds_tensor, its device) of frozen parameters offloaded
+        self.lp = Partitions16(mode)  # lp_params and lp_grads
         self.pinned: Dict[OffloadStateTypeEnum, bool] = {}  # kind -> the pin_memory it was offloaded with
         self.offload_bytes = 0  # moved by the last offload_states() for hp_params and optim_states
         self.reload_bytes = 0  # ... and by the last reload_states()
@@ -216,9 +205,9 @@ class StateOffload:
             if moves.ours and self._resident_keys(moves.ours):
                 moves.store = self._resident_store(pin_memory, moves.made)
             if LP in wanted:
-                moves.lp = self._lp_host(pin_memory, moves.made)
+                moves.lp = self.lp.host(pin_memory, moves.made)
             if LP_GRADS in wanted:
-                moves.grads = self._host_buffer("lp_grad_partitions_flat_pin_buffers",
+                moves.grads = self.lp.host_buffer("lp_grad_partitions_flat_pin_buffers",
                                                 opt.grad_partitions_flat_buffer.data, pin_memory, moves.made)
         except BaseException:
             self._forget(moves.made)
@@ -239,7 +228,7 @@ class StateOffload:
             updated = [i for i in mode.order if mode.table[i].on_device and mode.table[i].host_stale]
             self.kept = sorted(set(self.kept) | {i for i in updated if i in mode.timing.kept})
             mode.synchronize_for_checkpoint()
-            mode.table.release_loaded()  # loaded ahead of a step: the host copy is the current one
+            mode.table.unload_all()  # loaded ahead of a step: the host copy is the current one
             moved += sum(mode.layout.nbytes[i] for i in updated)
             for kind in moves.ours:
                 if store is not None:
@@ -250,9 +239,9 @@ class StateOffload:
                 self.copied = mode.copies.mark()  # CPU readers of the host copy wait for it (wait_for_copies)
         self.offload_bytes = moved
         if moves.lp is not None:
-            self._offload_lp_params(moves.lp, moves.pin_memory, non_blocking)
+            self.lp.offload_params(moves.lp, moves.pin_memory, non_blocking)
         if moves.grads is not None:
-            self._offload_lp_grads(moves.grads, non_blocking)
+            self.lp.offload_grads(moves.grads, non_blocking)
         if BUCKETS in moves.wanted and drop_reduce_buffers(opt):  # DeepSpeed's reload makes empty ones of their shape
             opt.offloaded_states.add(BUCKETS)
         for kind in moves.wanted:
@@ -282,118 +271,13 @@ class StateOffload:
         self.kept = []
         self.reload_bytes = moved
         if LP_GRADS in opt.offloaded_states:
-            self._reload_lp_grads(non_blocking)
+            self.lp.reload_grads(non_blocking)
         lp = LP in opt.offloaded_states
         try:
             orig(non_blocking=non_blocking)  # the buckets and the trainable lp_params; synchronizes when non_blocking
         finally:
             if lp and LP not in opt.offloaded_states:  # DeepSpeed brought the flat 16-bit buffer back
-                self._reload_lp_rest(non_blocking)
-
-    # ------------------------------------------------------------------ the 16-bit partitions
-
-    def _lp_host(self, pin_memory: bool, made: list):
-        """What ``_offload_lp_params`` moves into: the flat buffer's host copy, and one for each frozen
-        parameter's partition on the device."""
-        opt, acc = self.opt, self.mode.acc
-        trainable = opt._get_parameter_partitions()
-        host = self._host_buffer("lp_param_contiguous_pin_buffer", opt.lp_param_buffer.data, pin_memory, made)
-        ids = {id(t) for t in trainable}
-        frozen = []
-        for p in opt.module.parameters():
-            t = getattr(p, "ds_tensor", None)
-            if t is not None and id(t) not in ids and t.device.type != "cpu":
-                pin = pin_memory and acc.device_name() != "cpu"
-                frozen.append((t, t.device, torch.empty_like(t.data, device="cpu", pin_memory=pin)))
-        return host, trainable, frozen
-
-    def _offload_lp_params(self, lp, pin_memory: bool, non_blocking: bool):
-        """DeepSpeed's lp_params offload, with the frozen parameters' partitions handled apart (see
-        above), into ``lp`` (``_lp_host``). Its ``reload_states`` reads ``lp_param_contiguous_pin_buffer``
-        when that exists."""
-        opt = self.opt
-        host, trainable, frozen = lp
-        if not pin_memory and hasattr(opt, "lp_param_contiguous_pin_buffer"):
-            del opt.lp_param_contiguous_pin_buffer  # DeepSpeed's reload would read it: an older copy
-        device_buffer = opt.lp_param_buffer.data
-        _copy(host, device_buffer, non_blocking)
-        opt.lp_param_buffer.data = host
-        for tensor, offset, numel in get_mapping_to_flat_buffer(trainable):
-            tensor.data = host.narrow(0, offset, numel)
-        # Without mixed precision a master is its 16-bit partition, a view of the flat buffer: it goes too.
-        size = device_buffer.element_size()
-        for i, flat in enumerate(opt.fp16_partitioned_groups_flat):
-            if flat is not None and flat is opt.fp32_partitioned_groups_flat[i] and flat.device == device_buffer.device:
-                offset = (flat.data_ptr() - device_buffer.data_ptr()) // size
-                self.fp32_aliases.append(i)
-                flat.data = host.narrow(0, offset, flat.numel())
-        for t, home, target in frozen:
-            target.copy_(t.data, non_blocking=non_blocking)
-            t.data = target
-            self.frozen_on_host.append((t, home))
-        opt.fp16_partitioned_groups_flat.clear()
-        opt.offloaded_states.add(LP)
-
-    def _reload_lp_rest(self, non_blocking: bool):
-        """After DeepSpeed's reload brought the flat 16-bit buffer back: the masters that are 16-bit
-        partitions and the frozen partitions (their device copies made before any is rebound)."""
-        opt = self.opt
-        for i in self.fp32_aliases:  # the master is the 16-bit partition again (DeepSpeed made new views)
-            opt.fp32_partitioned_groups_flat[i].data = opt.fp16_partitioned_groups_flat[i].data
-        self.fp32_aliases = []
-        targets = [tensor.data.to(home, non_blocking=non_blocking) for tensor, home in self.frozen_on_host]
-        for (tensor, _), target in zip(self.frozen_on_host, targets):
-            tensor.data = target
-        frozen, self.frozen_on_host = self.frozen_on_host, []
-        if frozen and non_blocking:
-            self.mode.acc.synchronize()
-
-    def _offload_lp_grads(self, host, non_blocking: bool):
-        """The flat buffer of gradient partitions into ``host`` (DeepSpeed's pinned buffer when
-        ``pin_memory``, made once), each parameter's view of it with it."""
-        opt = self.opt
-        buffer = opt.grad_partitions_flat_buffer
-        _copy(host, buffer.data, non_blocking)
-        buffer.data = host
-        self._rebind_grad_views()
-        opt.averaged_gradients = {}
-        opt.offloaded_states.add(LP_GRADS)
-
-    def _reload_lp_grads(self, non_blocking: bool):
-        opt = self.opt
-        buffer = opt.grad_partitions_flat_buffer
-        buffer.data = buffer.data.to(self.mode.acc.current_device_name(), non_blocking=non_blocking)
-        self._rebind_grad_views()
-        opt.averaged_gradients = {}
-        opt.offloaded_states.discard(LP_GRADS)
-
-    def _host_buffer(self, pin_attr: str, tensor, pin_memory: bool, made: list):
-        """Where ``tensor`` goes on the host: the optimizer's pinned buffer named ``pin_attr`` (DeepSpeed's
-        name for it; made at the first call, reused after, noted in ``made`` when made now) when
-        ``pin_memory``, else a new pageable tensor (``tensor`` itself where it is on the host already)."""
-        if not pin_memory:
-            return tensor if tensor.device.type == "cpu" else torch.empty_like(tensor, device="cpu")
-        host = getattr(self.opt, pin_attr, None)
-        if host is None:
-            host = self.mode.acc.pin_memory(torch.empty_like(tensor, device="cpu"))
-            setattr(self.opt, pin_attr, host)
-            made.append(("attr", pin_attr))
-        return host
-
-    def _rebind_grad_views(self):
-        """Each parameter's view of the gradient buffer onto where the buffer is now, the same tensor
-        objects. DeepCompile hands these views to its reduction ops once, when it compiles; DeepSpeed's
-        own reload makes new ones, and compiled training would then reduce into the old buffer while
-        the optimizer reads the new one."""
-        opt = self.opt
-        buffer, views, offset = opt.grad_partitions_flat_buffer, getattr(opt, GRAD_VIEWS), 0
-        for param in itertools.chain.from_iterable(opt.fp16_groups):  # DeepSpeed's order of the buffer
-            numel = param.partition_numel()
-            if param.ds_id in views:
-                views[param.ds_id].data = buffer.narrow(0, offset, numel)
-            else:
-                views[param.ds_id] = buffer.narrow(0, offset, numel)
-            offset += numel
+                self.lp.reload_rest(non_blocking)
 
     # ------------------------------------------------------------------ the resident sub-groups
 
@@ -434,8 +318,3 @@ class StateOffload:
             moved += target.numel() * target.element_size()
         return moved
 
-
-def _copy(host, source, non_blocking: bool):
-    """``source`` into ``host``, unless they are the same memory (a pageable "copy" of a host tensor)."""
-    if host.data_ptr() != source.data_ptr():
-        host.copy_(source, non_blocking=non_blocking)

@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from deepspeed.utils import logger
 
-from ..env_settings import read_env
-from ..host_memory import format_bytes, memlock_hint, node_cpus
+from ...env_settings import read_env
+from ...host_memory import format_bytes, memlock_hint, node_cpus
 
 # Slabs are cut at region boundaries once they reach this size (a region larger than it is a slab).
 SLAB_BYTES = 1 << 30
@@ -109,7 +109,7 @@ class CudaHostRegister:
 
     def unregister(self, address: int):
         err = self.cudart.cudaHostUnregister(address)
-        if int(err) != 0:  # the pages stay locked: they must not be given back (Slabs.release)
+        if int(err) != 0:  # the pages stay locked: they must not be given back (Slabs.unpin)
             raise RuntimeError(f"cudaHostUnregister failed with CUDA error {int(err)}")
 
 
@@ -179,10 +179,10 @@ class _ProgressLines:
 
 
 class Slabs:
-    """The slabs of a store's mappings, each locked or released. ``release``: unlocked, and its pages
+    """The slabs of a store's mappings, each locked or unpinned. ``unpin``: unlocked, and its pages
     given back to the kernel (``MADV_DONTNEED``: the memory reads as zeros afterwards, and is held
     again when written); ``lock``: locked again. A store whose accelerator pins its own way
-    (``pin_empty``) has no slabs: nothing is released."""
+    (``pin_empty``) has no slabs: nothing is unpinned."""
 
     def __init__(self, pinner=None, mappings=None, work=()):
         self.pinner, self.mappings = pinner, mappings or {}
@@ -199,7 +199,7 @@ class Slabs:
         dt, lo, _ = self.slabs[k]
         return _address(self.mappings[dt]) + lo
 
-    def release(self, k: int):
+    def unpin(self, k: int):
         if not self.locked[k]:
             return
         dt, lo, hi = self.slabs[k]
@@ -226,7 +226,7 @@ class Slabs:
         self.locked[k] = True
 
     @property
-    def released_bytes(self) -> int:
+    def unpinned_bytes(self) -> int:
         return sum(hi - lo for (_, lo, hi), locked in zip(self.slabs, self.locked) if not locked)
 
 

@@ -13,9 +13,12 @@ time), ``update_s``, ``d2h_s`` (device seconds), ``step_s`` (wall seconds in Dee
 ``input_numel`` (its largest forward input, in elements).
 """
 
+import logging
 from typing import Dict, List, Optional
 
-from ..host_memory import format_bytes
+from deepspeed.utils import log_dist, logger
+
+from ...host_memory import format_bytes
 
 
 class StepStats:
@@ -56,6 +59,12 @@ class StepStats:
         for kind, spans in self._spans.items():
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
         return out
+
+    def log_every(self, engine, index: int, host_store: int, memory):
+        """The step line on rank 0 at every ``steps_per_print``-th step, as DeepSpeed logs its own."""
+        every = engine.steps_per_print() if callable(getattr(engine, "steps_per_print", None)) else None
+        if every and index % every == 0 and logger.isEnabledFor(logging.INFO):
+            log_dist(self.line(index, host_store, memory.memory_allocated(), memory.memory_reserved()), ranks=[0])
 
     def line(self, index: int, host_store: int, allocated: int, reserved: int) -> str:
         """The step line (rank 0, every ``steps_per_print`` steps, DeepSpeed's logger at info)."""

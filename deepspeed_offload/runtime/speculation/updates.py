@@ -43,18 +43,13 @@ before them. DeepSpeed's per-sub-group calls that a commit replaces (``unscale_a
 installed by the stream mode's patch registry.
 """
 
-import logging
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
-from deepspeed.utils import log_dist
 
-from ..host_memory import format_bytes
-from .copies import JOINED
-from .host_store import MASTER
-from .layout import fitting_prefix
-from .speculated import (BACKS_OFF, Backoff, Counters, Rollback, Speculated, group_entries, on_device,
-                         restore_group, restore_state, same_entries, small_state)
+from .compute import update_in_backward
+from .records import BACKS_OFF, Backoff, Counters, Rollback, Speculated, group_entries, restore_group, restore_state, same_entries
+
 
 class Speculation:
 
@@ -71,13 +66,13 @@ class Speculation:
         self._seen: Dict[int, set] = {}  # this boundary backward: sub-group -> ds_ids of its parameters partitioned
         self._final: List[int] = []  # final, not yet updated, in the order they became final
         self._final_order: List[int] = []
-        self._final_event: Dict[int, object] = {}
+        self.final_event: Dict[int, object] = {}
         self.updated: Dict[int, Speculated] = {}
         self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
         # sub-groups whose update a second reduction in the same backward voided: they wait for the step
         self.reduced_again: set = set()
-        # the fp32 gradient every update of a backward builds its sub-group's into (``_grad_buffer``)
-        self._grad = None
+        # the fp32 gradient every update of a backward builds its sub-group's into (``compute._grad_buffer``)
+        self.grad_buffer = None
 
     def set_members(self, members):
         """The sub-groups that speculate: every offloaded one (at attach, and each time the measured plan
@@ -90,7 +85,7 @@ class Speculation:
         known = [i for i in self.load_order if i in self.members]  # the order learned, then the new ones
         self.load_order = known + sorted(self.members - set(known), reverse=True)
         masters = [self.opt.fp32_partitioned_groups_flat[i] for i in self.members]
-        self._grad_numel = max((m.numel() for m in masters), default=0)
+        self.grad_numel = max((m.numel() for m in masters), default=0)
         self._grad_bytes = max((m.numel() * m.element_size() for m in masters), default=0)
 
     def overwrote_host(self) -> bool:
@@ -106,16 +101,6 @@ class Speculation:
         """The members whose updates roll back from a device copy."""
         return self.members - self.mode.store.twins
 
-    def describe(self) -> str:
-        store = self.mode.store
-        twins = len(self.members) - len(self.from_device)
-        out = (f"{len(self.members)} sub-groups speculate: {twins} with second host regions "
-               f"({format_bytes(store.twin_nbytes)})")
-        if self.from_device:
-            out += (f", {len(self.from_device)} rolled back from a copy on the device, where backward leaves "
-                    "room for it")
-        return out
-
     @property
     def held_bytes(self) -> int:
         """Device memory the updates hold: the 16-bit casts and device copies waiting for the norm (and
@@ -126,7 +111,7 @@ class Speculation:
         table = self.mode.table
         coming = sum(self.extra_bytes(i) for i in self.members
                      if i not in self.updated and table[i].on_device and not table[i].host_stale)
-        return held + coming + (self._grad_bytes if self._boundary or self._grad is not None else 0)
+        return held + coming + (self._grad_bytes if self._boundary or self.grad_buffer is not None else 0)
 
     # ------------------------------------------------------------------ backward
 
@@ -136,7 +121,7 @@ class Speculation:
         self.mode.copies.join_side()  # this backward's reductions rewrite what the last updates read
         if self._boundary:
             self.discard_all("no step")  # an update from a backward whose step never ran is stale
-            self._seen, self._final, self._final_order, self._final_event = {}, [], [], {}
+            self._seen, self._final, self._final_order, self.final_event = {}, [], [], {}
             if self.backoff.skips():
                 self.counters.backed_off += 1
                 self._boundary = False
@@ -186,13 +171,13 @@ class Speculation:
                 if i in self.updated:
                     self.discard(i, "gradient changed")  # updated from the gradient before this one
                 elif i in self._final:
-                    self._final_event[i] = self.mode.copies.mark()  # the update waits for this copy too
+                    self.final_event[i] = self.mode.copies.mark()  # the update waits for this copy too
                 continue
             seen.add(p.ds_id)
             if len(seen) == self.needed[i] and i not in self.reduced_again:
                 self._final.append(i)
                 self._final_order.append(i)
-                self._final_event[i] = self.mode.copies.mark()
+                self.final_event[i] = self.mode.copies.mark()
 
     def run(self):
         """Update every final sub-group whose state is in buffers of its own."""
@@ -202,113 +187,7 @@ class Speculation:
             r = self.mode.table[i]
             if r.on_device and r.slot is None and not r.host_stale:
                 self._final.remove(i)
-                self._update(i)
-
-    def _update(self, i: int):
-        mode, opt, table, store = self.mode, self.opt, self.mode.table, self.mode.store
-        master = opt.fp32_partitioned_groups_flat[i]
-        state = self.base.state.get(master)
-        if not state or any(key not in state for key in store.slices[i] if key != MASTER):
-            return  # the optimizer creates its state at its first step: nothing to speculate on yet
-        rollback = self.rollback(i)
-        second = rollback is Rollback.SECOND_REGION
-        mode.guard(i, other=second)  # an asynchronous checkpoint may still read the region this writes
-        group = self.base.param_groups[opt.sub_group_to_group_id[i]]
-        lp_dtype = opt.fp16_partitioned_groups_flat[i].dtype
-        # A device tensor among Adam's small state or the group's entries (a capturable step, a
-        # tensor learning rate) may have been written on the compute stream: the snapshot waits.
-        queued = mode.copies.mark() if on_device(state, group) else None
-        state_before = group_before = None
-        cast, kept = {}, {}
-        try:
-            try:
-                # From the compute stream's pool (``copies.alloc``), for work on the side stream, all
-                # dropped after the compute stream joined the side stream, so that their blocks go back
-                # in the compute stream's order: the fp32 gradient (one buffer for the whole backward,
-                # ``decide``), the 16-bit cast, kept until the step (``step_ends``), and the device copy
-                # of the state before (``commit``).
-                grad, grad_ready = self._grad_buffer(master)
-                cast, cast_ready = mode.copies.alloc({lp_dtype: master.numel()}, used_by=JOINED)
-                lp = cast[lp_dtype]
-                if not second:
-                    kept, kept_ready = mode.copies.alloc(store.region_numel(i), used_by=JOINED)
-                with mode.copies.side():  # backward goes on: nothing on the compute stream waits for this
-                    table.arrive(i)
-                    mode.copies.compute_waits(self._final_event.pop(i, None))
-                    mode.copies.compute_waits(grad_ready)  # the compute stream's last use of the blocks
-                    mode.copies.compute_waits(cast_ready)
-                    mode.copies.compute_waits(queued)
-                    mode.copies.uses(writes=(grad, lp))
-                    if kept:  # the state before, to roll back to
-                        mode.copies.compute_waits(kept_ready)
-                        loaded = table[i].buffers
-                        mode.copies.uses(reads=loaded.values(), writes=kept.values())
-                        for dt, buf in kept.items():
-                            buf.copy_(loaded[dt].narrow(0, 0, buf.numel()))
-                    state_before, group_before = small_state(state, store.slices[i]), group_entries(group)
-                    mode.tensors.point_at(i, lambda key: table.view(i, key))
-                    master.grad = self._fp32_grad(i, grad)
-                    # unscale_and_clip_grads's factor when clipping does not fire: 1 / loss scale,
-                    # bitwise the same whether DeepSpeed computes it as a tensor (clipping on) or a float (off)
-                    master.grad.mul_(1. / opt.loss_scale)
-                    opt._optimizer_step(i)
-                    master.grad = None
-                    lp.copy_(master.data)  # the cast DeepSpeed's _reassign_or_swap_out... does
-                    state_after, group_after = small_state(state, store.slices[i]), group_entries(group)
-                    table.mark_updated(i)
-            except BaseException:
-                if table[i].on_device:
-                    table.release(i)  # its device copy may be half updated: the step loads it again
-                raise
-            finally:  # whatever happened (an out-of-memory error in backward), the state is as it was
-                master.grad = None
-                if state_before is not None:
-                    with mode.copies.side():
-                        restore_state(state, state_before)
-                        restore_group(group, group_before)
-                mode.tensors.point_at(i, lambda key: store.view(i, key))  # the committed state, until a commit
-            nbytes, span = table.write_back(i, other=second)
-        except BaseException:
-            mode.copies.release(*cast.values(), *kept.values())  # dropped with this frame, with no join
-            raise
-        if mode.stats is not None:
-            mode.stats.bytes_d2h += nbytes
-            mode.stats.span("d2h", span)
-            mode.stats.speculated += 1
-        self.updated[i] = Speculated(state_after, group_after, group_before, float(opt.loss_scale), lp,
-                                     kept or None)
-        self.counters.speculated += 1
-        self.counters.from_device += not second
-
-    def _grad_buffer(self, master: torch.Tensor):
-        """The fp32 gradient buffer for ``master``'s update (a view of its first ``numel`` elements),
-        and what a write into it waits for (None after the first: the updates run one after the other
-        on the side stream). One buffer, the largest member's size, for every update of a backward:
-        allocated at the first, dropped after the compute stream joined the side stream (``decide``,
-        ``discard_all``). A block per update, recorded on the side stream, would go back to the
-        allocator only once the host saw the side stream's event: meanwhile the next updates' would
-        take other blocks, leaving the pool in pieces."""
-        ready = None
-        if self._grad is None:
-            bufs, ready = self.mode.copies.alloc({master.dtype: self._grad_numel}, used_by=JOINED)
-            self._grad = bufs[master.dtype]
-        return self._grad.narrow(0, 0, master.numel()), ready
-
-    def _fp32_grad(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        """The sub-group's flat fp32 gradient, in ``out``: what ``_prepare_fp32_grad_for_sub_group``
-        builds (the partitions the epilogue will list, flattened, zeros for a frozen parameter,
-        widened to fp32: exact, so widening each slice is bitwise the same)."""
-        partitions = getattr(self.opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition")
-        offset = 0
-        for p in self.opt.fp16_groups[i]:
-            n = p.ds_tensor.numel()
-            if p.requires_grad:
-                out.narrow(0, offset, n).copy_(partitions[p.ds_id].view(-1))
-            else:
-                out.narrow(0, offset, n).zero_()
-            offset += n
-        assert offset == out.numel(), f"deepspeed-offload: sub-group {i}: {offset} gradient elements for {out.numel()}"
-        return out
+                update_in_backward(self, i)
 
     # ------------------------------------------------------------------ the step
 
@@ -317,7 +196,7 @@ class Speculation:
         none. Also learns the order gradients became final in, for the next backward's loads."""
         self._boundary = False
         self.mode.copies.join_side()  # the step (and the next backward) after every update
-        self._grad = None  # joined: its block goes back in the compute stream's order
+        self.grad_buffer = None  # joined: its block goes back in the compute stream's order
         if self._final_order:
             rest = [i for i in self.load_order if i not in self._final_order]
             self.load_order = self._final_order + rest
@@ -410,7 +289,7 @@ class Speculation:
         stream (``discard_all``)."""
         spec = self.updated.pop(i)
         self._roll_back(i, spec)
-        self.mode.copies.release(spec.lp)
+        self.mode.copies.free(spec.lp)
         self.reduced_again.add(i)
         self._count_discarded(1, why)
 
@@ -423,7 +302,7 @@ class Speculation:
         mode = self.mode
         mode.guard(i)  # an asynchronous checkpoint may still read the region this writes
         mode.table.restore(i, spec.kept)
-        mode.copies.release(*spec.kept.values(), read_by_copies=True)
+        mode.copies.free(*spec.kept.values(), read_by_copies=True)
         self.counters.restored += 1
 
     def _count_discarded(self, n: int, why: str):
@@ -442,10 +321,10 @@ class Speculation:
         self.mode.copies.join_side()
         for i, spec in self.updated.items():
             self._roll_back(i, spec)
-        self.mode.copies.release(*[s.lp for s in self.updated.values()],
+        self.mode.copies.free(*[s.lp for s in self.updated.values()],
                                  *[lp for lp in self.committing.values() if lp is not None],
-                                 *([self._grad] if self._grad is not None else []))
-        self._grad = None
+                                 *([self.grad_buffer] if self.grad_buffer is not None else []))
+        self.grad_buffer = None
         if self.updated:
             self._count_discarded(len(self.updated), why)
             self.counters.rollback_steps += 1
@@ -454,37 +333,3 @@ class Speculation:
         self.updated.clear()
         self.committing.clear()
         self._final = []
-
-    def log_attach(self):
-        if not self.members:
-            return
-        log_dist(f"[deepspeed-offload] speculation: {self.describe()}", ranks=[0])
-        bucket = getattr(self.opt, "reduce_bucket_size", 0)
-        largest = self._grad_numel
-        if bucket > 4 * largest:
-            # WARNING, like DeepSpeed's own advice on its settings: it costs speed, not correctness
-            log_dist(f"[deepspeed-offload] speculation: zero_optimization.reduce_bucket_size is {bucket:,} "
-                     f"elements, {bucket // max(largest, 1)} sub-groups' worth: gradients become final a bucket at "
-                     "a time, so updates start late in backward; a smaller bucket (HF's 'auto' fills in "
-                     "hidden_size**2) lets them start sooner", ranks=[0], level=logging.WARNING)
-
-
-def choose_members(mode, early_in_backward: bool, budget: int) -> Tuple[List[int], List[int]]:
-    """The sub-groups of stream mode ``mode`` that speculate (every offloaded one), and those of them
-    with a second host region: the last ones (their gradients are final first) whose second regions
-    fit ``budget`` bytes. None where nothing loads in backward or the 16-bit partition is the master
-    itself (fp32)."""
-    cfg, opt = mode.cfg, mode.opt
-    if cfg.speculate_memory_gb == 0 or not (cfg.overlap and early_in_backward) or not mode.order:
-        return [], []
-    if any(opt.fp16_partitioned_groups_flat[i].dtype == opt.fp32_partitioned_groups_flat[i].dtype for i in mode.order):
-        log_dist("[deepspeed-offload] speculation off: the parameters are fp32", ranks=[0])
-        return [], []
-    members = sorted(mode.order, reverse=True)
-    twins = fitting_prefix(members, mode.layout.nbytes.__getitem__, budget)
-    if not twins:
-        log_dist(f"[deepspeed-offload] speculation: no host memory is spare for second regions "
-                 f"({format_bytes(budget)} per rank after the stores; the node's line says what it can give): "
-                 "every update in backward rolls back from a copy on the device, where backward leaves room "
-                 "for it", ranks=[0])
-    return members, twins

@@ -9,7 +9,7 @@ between host and GPU in one copy per dtype, and a staging slot is laid out like 
 The store only holds memory and says where each tensor's slice is; which DeepSpeed tensor object
 points at it (``.data`` rebinding) is the streamed step's business.
 
-Sub-groups that speculate (``runtime/speculation.py``) have a second region per dtype, ``twins``:
+Sub-groups that speculate (``runtime/speculation/updates.py``) have a second region per dtype, ``twins``:
 an update computed before the gradient norm is known is written into the side that is not current,
 and committing it is ``flip`` (that side becomes current: nothing is copied); a rollback leaves
 the current side as it was. ``region``/``view`` always name the current side unless asked for the
@@ -25,9 +25,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist, logger
 
-from ..compat import pin_empty
-from ..errors import ConfigError
-from ..host_memory import BLOCK, HostPlan, check_host_plan, format_bytes, gpu_numa_node, local_ranks
+from ...compat import pin_empty
+from ...errors import ConfigError
+from ...host_memory import BLOCK, HostPlan, check_host_plan, format_bytes, gpu_numa_node, local_ranks
 from . import pinned
 
 MASTER = "__master__"
@@ -98,7 +98,7 @@ class HostStore:
             raise ConfigError(what, f"{e}; or set pin_memory to false (slower copies)") from e
         # slab -> the sub-groups with a region in it (either side); sub-group -> its slabs. Slabs are
         # cut at region boundaries: a region lies in the slab where it starts.
-        self.released: Set[int] = set()
+        self.unpinned: Set[int] = set()
         self._slab_members: List[Set[int]] = [set() for _ in self.slabs.slabs]
         self._slabs_of: Dict[int, List[int]] = {sg: [] for sg in layout}
         starts = {dt: sorted((lo, k) for k, (d, lo, _) in enumerate(self.slabs.slabs) if d == dt) for dt in totals}
@@ -114,33 +114,33 @@ class HostStore:
             logger.warning(f"[deepspeed-offload] {BLOCK}.pin_memory is false: pageable host buffers copy at a "
                            "fraction of the link speed, and the step will be slower")
 
-    def release(self, sub_groups: Iterable[int]):
+    def unpin(self, sub_groups: Iterable[int]):
         """These sub-groups' state lives on the device from now on (the measured plan made them
         resident): every slab that holds only released sub-groups is unlocked and its memory given
-        back to the host. Their regions read as zeros until ``reacquire``."""
-        self.released |= {int(i) for i in sub_groups if i in self._slabs_of}
-        before = self.slabs.released_bytes
+        back to the host. Their regions read as zeros until ``repin``."""
+        self.unpinned |= {int(i) for i in sub_groups if i in self._slabs_of}
+        before = self.slabs.unpinned_bytes
         for k, members in enumerate(self._slab_members):
-            if members and members <= self.released:
-                self.slabs.release(k)
-        if self.slabs.released_bytes != before:
+            if members and members <= self.unpinned:
+                self.slabs.unpin(k)
+        if self.slabs.unpinned_bytes != before:
             log_dist(f"[deepspeed-offload] host store: {format_bytes(self.pinned_bytes)} locked, "
-                     f"{format_bytes(self.slabs.released_bytes)} given back to the host (its sub-groups are "
+                     f"{format_bytes(self.slabs.unpinned_bytes)} given back to the host (its sub-groups are "
                      "resident)", ranks=[0])
 
-    def reacquire(self, sub_groups: Iterable[int]):
+    def repin(self, sub_groups: Iterable[int]):
         """These sub-groups stream again: their slabs are locked (memory held again) before their
         state is written into their regions."""
         for i in sub_groups:
-            if i in self.released:
-                self.released.discard(i)
+            if i in self.unpinned:
+                self.unpinned.discard(i)
                 for k in self._slabs_of[i]:
                     self.slabs.lock(k)
 
     @property
     def pinned_bytes(self) -> int:
         """The store's bytes locked now: all of it, less the slabs released."""
-        return self.nbytes - self.slabs.released_bytes
+        return self.nbytes - self.slabs.unpinned_bytes
 
     @property
     def regions(self) -> Dict[int, Dict[torch.dtype, Tuple[int, int]]]:

@@ -4,7 +4,7 @@ Every offloaded ZeRO-3 sub-group has one ``Residency``::
 
     ON_HOST ──load──▶ LOADING ──arrive──▶ ON_DEVICE ──updated──▶ UPDATED ──write_back──▶ WRITING_BACK
        ▲                 │                    │                                              │
-       └────release──────┴────────────────────┘        (state unchanged: buffers dropped)    │
+       └────unload───────┴────────────────────┘        (state unchanged: buffers dropped)    │
        ▲                                                                                     │
        └──────────────────────────────── landed (a CPU reader waited for it) ◀───────────────┘
                          WRITING_BACK ──load──▶ LOADING  (the load waits for that write-back)
@@ -37,7 +37,7 @@ order, each right after the one before it while it fits, else at the start of th
 load may go into its place once every sub-group that was there before has been sent out (its
 write-back queued: the load waits for it on the device, not on the CPU); so with sub-groups a third
 of a slot, up to six are loading, updated or writing back at once instead of two. The DeepSpeed
-tensors' ``.data`` rebinding is not done here: the streamed step (``runtime/stream.py``) points them
+tensors' ``.data`` rebinding is not done here: the streamed step (``runtime/step/stream.py``) points them
 at ``view(i, key)`` or at the host store.
 """
 
@@ -70,8 +70,8 @@ LEGAL = frozenset({
     (P.UPDATED, P.WRITING_BACK),
     (P.UPDATED, P.ON_DEVICE),  # compile mode kept it on the device since its last update
     (P.WRITING_BACK, P.ON_HOST),
-    (P.LOADING, P.ON_HOST),  # released unused (a skipped step, a writer of host state)
-    (P.ON_DEVICE, P.ON_HOST),  # released by a step that raised before updating it
+    (P.LOADING, P.ON_HOST),  # unloaded unused (a skipped step, a writer of host state)
+    (P.ON_DEVICE, P.ON_HOST),  # unloaded by a step that raised before updating it
 })
 
 
@@ -131,7 +131,7 @@ def pack(order: Iterable[int], numel_of: Callable[[int], Dict[torch.dtype, int]]
 
 class _Occupant:
     """A sub-group's place in a slot: in use until sent out (``active``), then the event of its
-    write-back (None: released unused, its load ran before any later one on the H2D stream)."""
+    write-back (None: unloaded unused, its load ran before any later one on the H2D stream)."""
 
     __slots__ = ("sub_group", "place", "extent", "active", "written")
 
@@ -262,11 +262,11 @@ class ResidencyTable:
         self._in_flight.append((r.written, self.store_bytes(i)))
         return self.store_bytes(i), span
 
-    def release(self, i: int):
+    def unload(self, i: int):
         """Drop ``i``'s device copy unused: the host store still holds its state."""
         r = self.of[i]
         if r.host_stale:
-            raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be released: its device copy is newer "
+            raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be unloaded: its device copy is newer "
                                     "than the host store (write it back)")
         r.move(Phase.ON_HOST)
         self._let_go(r)
@@ -299,12 +299,12 @@ class ResidencyTable:
         self._in_flight = [(ev, n) for ev, n in self._in_flight if not self.copies.done(ev)]
         return len(self._in_flight)
 
-    def release_loaded(self) -> List[int]:
+    def unload_all(self) -> List[int]:
         """Release every sub-group that is loading or loaded but not updated; returns them. (One
         brought in from UPDATED is refused by ``release``: a step that raised marks it updated first.)"""
         out = self.in_phase(Phase.LOADING, Phase.ON_DEVICE)
         for i in out:
-            self.release(i)
+            self.unload(i)
         return out
 
     def drain(self):

@@ -2,7 +2,7 @@
 
 ``install(mode)`` puts them in place through the mode's ``PatchRegistry`` (``detach`` removes them
 all); each wrapper calls DeepSpeed's own method and, around it, one verb of the mode
-(``runtime/stream.py``), so that the step reads as the sequence of its phases there:
+(``runtime/step/stream.py``), so that the step reads as the sequence of its phases there:
 
 - ``_backward_prologue`` (``engine.backward`` and a plain ``loss.backward()`` alike): a backward begins;
 - the gradient hook (``reduce_ready_partitions_and_remove_grads``, as backward produces and frees)
@@ -189,7 +189,7 @@ def _around(mode, fn, writes=False, after=None):
                 mode.colocation.refuse_if_offloaded(fn.__name__ + "()")
                 mode.discard_speculation("state written")  # computed from the state this replaces
                 mode.guard()
-                mode.table.release_loaded()  # loaded early: the old values
+                mode.table.unload_all()  # loaded early: the old values
         result = fn(*args, **kwargs)
         if after is not None:
             after()

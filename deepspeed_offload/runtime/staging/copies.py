@@ -12,7 +12,7 @@ Two implementations with one interface, picked by ``make_copies()`` at attach (t
   copy runs at once, events are ``None``, waits are no-ops. The runtime's bookkeeping is the same
   code, so CI tests it for real.
 
-The executor knows nothing of sub-groups or phases: ``runtime/residency.py`` decides what waits on
+The executor knows nothing of sub-groups or phases: ``runtime/memory/residency.py`` decides what waits on
 what and passes the events in.
 """
 
@@ -67,8 +67,8 @@ class SyncCopies:
     def join_side(self) -> None:
         """The compute stream waits for everything queued on the side stream so far."""
 
-    def release(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
-        """JOINED buffers about to be dropped without a join (``AsyncCopies.release``)."""
+    def free(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
+        """JOINED buffers about to be dropped without a join (``AsyncCopies.free``)."""
 
     def compute_waits(self, event) -> None:
         pass
@@ -126,7 +126,7 @@ class AsyncCopies:
         #   complete: the next forward's first allocations, queued while the step still runs, would
         #   take new segments.
         #   Where that join cannot be promised (a discard on DeepSpeed's reduction stream or from
-        #   outside the step; an error), the holder calls ``release`` first.
+        #   outside the step; an error), the holder calls ``free`` first.
         device = self.acc.current_device_name()
         bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in numel.items()}
         for buf in bufs.values():
@@ -166,7 +166,7 @@ class AsyncCopies:
     def join_side(self) -> None:
         self.acc.current_stream().wait_stream(self.side_stream)
 
-    def release(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
+    def free(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
         """JOINED buffers about to be dropped where the stream they came from may not have joined the
         side stream: recorded on it now (and on the D2H stream, ``read_by_copies``: a copy queued there
         reads them), so the allocator waits for the work queued there by then."""

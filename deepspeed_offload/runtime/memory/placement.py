@@ -1,0 +1,202 @@
+"""The measured plan: which sub-groups keep their state on the device while training runs.
+
+Placement is a number per rank: the first ``resident`` sub-groups (in step order) keep their state
+on the device, the rest live in the host store. At attach the node's host plan decides it
+(``node_plan.py``); after the measuring iteration (``MeasuredPlan``, budget unset, on a device with
+memory of its own) the iteration's reserved peak is known with the state offloaded, so the plan keeps
+resident as many more of the streamed sub-groups as fit below the device limit (``max_device_memory_gb``,
+or what this process can have of the device) less ``MARGIN`` and less what the largest input of the
+last ``RECENT_STEPS`` steps needs beyond the measured one. Early loads, speculation's updates and the
+staging slots were in that peak; each sub-group made resident adds its bytes to it.
+
+The placement follows the input while training runs. Every applied step teaches ``IterationMemory``
+(``iteration_memory.py``) what an iteration needs beside the state for its input's size. Before a
+training forward whose input is larger than the placement was made for, ``before_forward`` predicts
+its need and, where it does not fit beside the resident state, gives back what the plan made
+resident (last first) before the forward runs. When the large inputs leave the recent window, or
+``reload_states()`` gives memory back, the plan empties the device's cache and measures again, and
+the measurement takes state back. As a last resort, when an iteration reserves more than the limit
+less half the margin (the allocator reserving more around the resident state than its bytes), the
+plan gives back enough to restore the margin after the step, widens its margin by what it missed and
+measures again. ``resplit.py`` moves the state; this module only decides. What remains: a first
+iteration larger than the device allows (nothing has been measured yet), and an input whose need
+grows faster than the fit's power of two.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from deepspeed.utils import log_dist
+
+from ...host_memory import format_bytes
+from .iteration_memory import IterationMemory
+
+GiB = 2**30
+# Device memory the measured plan leaves free below the limit: the larger of this share and this size.
+MARGIN_SHARE = 0.03
+MARGIN_MIN = 1 * GiB
+# Steps whose largest input the measured plan keeps room for: inputs shrink for this long before
+# the state they made room for comes back.
+RECENT_STEPS = 32
+
+
+def margin_bytes(device_total: int) -> int:
+    return max(MARGIN_MIN, int(MARGIN_SHARE * device_total))
+
+
+@dataclass
+class MeasuredPlan:
+    """After each measurement, which streamed sub-groups become resident (or, when the iteration grew,
+    which of those made resident go back to the host). ``limit``: the device memory training may use;
+    ``margin``: what the plan leaves free below it (bytes)."""
+    limit: int
+    margin: int
+    promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
+    measured_peak: Optional[int] = None  # the last measurement's reserved peak
+    iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
+    give_backs: int = 0  # iterations after which state went back to the host
+    take_backs: int = 0  # times the largest recent input shrank below the one the plan was made for
+    # what an iteration needs beside the state, by input size (iteration_memory.py)
+    needs: IterationMemory = field(default_factory=IterationMemory)
+    planned_numel: int = 0  # the largest input the placement was made for (0: the measured one's)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # the last steps' inputs
+    _measurements_seen: int = 0
+
+    def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
+                          resident_bytes: int = 0, extra: int = 0) -> Tuple[List[int], List[int]]:
+        """The measured iteration reserved ``peak_reserved`` with ``streamed`` (step order) offloaded and
+        ``resident_bytes`` of state resident; ``extra``: what the largest recent input needs beyond the
+        measured one. (Sub-groups to make resident, a prefix of ``streamed`` that fits below the limit
+        less the margin and ``extra``; sub-groups to give back, the last made resident first, where the
+        peak is above it.)"""
+        self.measured_peak = peak_reserved
+        self.iteration = peak_reserved - resident_bytes
+        room = self.limit - self.margin - peak_reserved - extra
+        if room < 0:
+            return [], self._give_back(-room, nbytes)
+        out, held = [], 0
+        for i in streamed:
+            if held + nbytes(i) > room:
+                break
+            out.append(i)
+            held += nbytes(i)
+        self.promoted += out
+        return out, []
+
+    def between_steps(self, mode, step) -> Optional[int]:
+        """After ``step`` of ``mode`` (stream mode) was applied: learn what it needed beside the state,
+        read a new measurement, or the memory the iteration reserved, and return how many of the first
+        sub-groups should be resident from now on (None: as they are). Giving state back empties the
+        device's cache and asks for a measurement; so does the largest recent input shrinking below the
+        one the placement was made for (the state may come back)."""
+        probe, resident = mode.probe, len(mode.resident)
+        resident_bytes = probe.resident_bytes(resident)
+        numel = step.input_numel
+        if numel and mode.forward_level is not None:
+            peak = mode.memory.window_peak()
+            self.needs.add(numel, mode.forward_level - resident_bytes, peak - mode.forward_level,
+                            mode.memory.window_reserved() - peak)
+            self.recent.append(numel)
+        planning = max(self.recent, default=0)
+        measured = mode.timing.measurements > self._measurements_seen
+        if measured:
+            self._measurements_seen = mode.timing.measurements
+            extra = max(0, (self.needs.predict(planning) or 0) - (self.needs.predict(numel) or 0)) if numel else 0
+            promote, give_back = self.after_measurement(mode.timing.peak_reserved, mode.order, probe.nbytes,
+                                                        resident_bytes, extra)
+            self.planned_numel = max(planning, numel)
+        else:
+            promote, give_back = [], self.after_step(mode.memory.memory_reserved(), probe.nbytes)
+            if planning and planning < self.planned_numel and not mode.timing.measuring:
+                # the large inputs left the window: measure again, and keep what the smaller ones leave room for
+                log_dist(f"[deepspeed-offload] measured plan: the largest input of the last {len(self.recent)} steps "
+                         f"has {planning:,} elements, below the {self.planned_numel:,} the placement was made for; "
+                         "measuring the next iteration to take state back", ranks=[0])
+                self.planned_numel = planning
+                self.take_backs += 1
+                mode.memory.empty_cache()  # the larger iterations' cached blocks would count in the measurement
+                mode.timing.remeasure()
+        if give_back:
+            mode.memory.empty_cache()  # what goes back is the device's again
+            mode.timing.remeasure()
+        if measured or give_back:
+            self._log(mode, resident + len(promote) - len(give_back))
+        return resident + len(promote) - len(give_back) if promote or give_back else None
+
+    def memory_returned(self, mode):
+        """Device memory came back (``reload_states()`` after a rollout): with the limit derived, it is
+        read again (what this process can have now), and the next iteration is measured, after which the
+        plan keeps resident what fits again."""
+        if mode.cfg.max_device_memory_gb is None:
+            self.limit = device_limit(mode.memory, None)
+        mode.memory.empty_cache()
+        mode.timing.remeasure()
+
+    def before_forward(self, mode, numel: int) -> Optional[int]:
+        """A training forward is about to take an input of ``numel`` elements: if it is larger than the
+        placement was made for and the iteration it predicts (``IterationMemory``) would not fit below
+        the limit less the margin beside the resident state, how many of the first sub-groups stay
+        resident (the ones this plan made resident go back, last first, as many as needed); None: as
+        they are."""
+        if numel <= self.planned_numel:
+            return None
+        need = self.needs.predict(numel)
+        self.planned_numel = numel
+        if need is None:
+            return None
+        resident = len(mode.resident)
+        excess = need + mode.probe.resident_bytes(resident) - (self.limit - self.margin)
+        if excess <= 0:
+            return None
+        out = self._give_back(excess, mode.probe.nbytes)
+        if not out:
+            return None
+        self.give_backs += 1
+        mode.timing.remeasure()  # the allowances were for smaller iterations
+        log_dist(f"[deepspeed-offload] measured plan: an input of {numel:,} elements (larger than planned for) needs "
+                 f"about {format_bytes(need)} beside the state; {len(out)} sub-groups "
+                 f"({format_bytes(sum(mode.probe.nbytes(i) for i in out))}) go back to the host before its "
+                 f"forward, {resident - len(out)} stay resident", ranks=[0])
+        return resident - len(out)
+
+    def _log(self, mode, resident: int):
+        limit = "max_device_memory_gb" if mode.cfg.max_device_memory_gb is not None else \
+            "what this process could have of the device"
+        streamed = mode.probe.total - mode.probe.resident_bytes(resident)
+        log_dist(f"[deepspeed-offload] measured plan: {format_bytes(mode.probe.resident_bytes(resident))} of "
+                 f"optimizer state resident ({resident} sub-groups, {len(self.promoted)} of them since the "
+                 f"measurement), {format_bytes(streamed)} streamed; the measured iteration's peak: "
+                 f"{format_bytes(self.measured_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
+                 f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f} "
+                 f"--margin-gb {self.margin / GiB:.1f}); "
+                 f"limit {format_bytes(self.limit)} ({limit}) less a margin of {format_bytes(self.margin)}", ranks=[0])
+
+    def after_step(self, reserved: int, nbytes: Callable[[int], int]) -> List[int]:
+        """An iteration ended with ``reserved`` bytes reserved: when that came within half the margin of
+        the limit (it grew, or the allocator reserved more around the resident state than its bytes),
+        the sub-groups to give back, enough to restore the whole margin; and the margin grows by what
+        was reserved beyond the plan, so that the next measurement does not make them resident again."""
+        excess = reserved - (self.limit - self.margin // 2)
+        if excess <= 0:
+            return []
+        self.give_backs += 1
+        self.margin = min(self.margin + excess + self.margin // 2, self.limit // 4)
+        return self._give_back(excess + self.margin // 2, nbytes)
+
+    def _give_back(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
+        out, freed = [], 0
+        while self.promoted and freed < nbytes_needed:
+            i = self.promoted.pop()
+            out.append(i)
+            freed += nbytes(i)
+        return out
+
+
+def device_limit(acc, max_device_memory_gb: Optional[float]) -> int:
+    """The device memory training may use: ``max_device_memory_gb``, or what this process can have of
+    the device (what it reserved plus what the device has free), at most the device."""
+    total = acc.total_memory()
+    if max_device_memory_gb is not None:
+        return min(total, int(max_device_memory_gb * GiB))
+    return min(total, int(acc.available_memory()) + int(acc.memory_reserved() or 0))

@@ -1,0 +1,43 @@
+"""The one place the split between resident and streamed sub-groups changes after attach.
+
+``placement.py`` decides how many of the first sub-groups stay on the device (``k``); this moves
+them, between steps, with every write-back landed: sub-groups that stop streaming get device copies
+of their host state and give their host memory back (``HostStore.unpin``), those that start
+streaming get theirs locked again (``repin``) and their state written into it. DeepSpeed's
+tensor objects stay the same; only their ``.data`` moves.
+"""
+
+
+def resplit(mode, k: int) -> bool:
+    """From the next step on, the first ``k`` sub-groups of ``mode`` are resident. Returns whether
+    anything moved."""
+    old, new = mode.layout, mode.probe.split(k)
+    if new.resident == old.resident:
+        return False
+    mode.discard_speculation("placement changed")
+    mode.synchronize_for_checkpoint()
+    mode.table.unload_all()
+    device = mode.acc.current_device_name()
+    to_device = [i for i in new.resident if i in old.order]
+    to_host = [i for i in old.resident if i in new.order]
+    for i in to_device:
+        mode.tensors.point_at(i, lambda key: mode.store.view(i, key).to(device, copy=True))
+    for i in to_device + to_host:  # an asynchronous checkpoint may still be reading their regions
+        mode.guard(i, other=None)
+    mode.store.unpin(to_device)
+    mode.store.repin(to_host)
+    for i in to_host:
+        mode.tensors.move_into(i, lambda key: mode.store.view(i, key))
+    moved = mode.probe.resident_bytes(len(new.resident)) - mode.probe.resident_bytes(len(old.resident))
+    mode.layout, mode.order, mode.resident, mode.slot_bytes = new, new.order, new.resident, new.slot_bytes
+    mode.table.set_offloaded(new.order, new.slot_numel)
+    mode.tensors.order = new.order
+    mode.timing.slot_bytes = new.slot_bytes
+    mode.timing.shift(moved)
+    # the loads ahead of the step follow the new order; every offloaded sub-group speculates (those given
+    # back join again, with the second regions the store kept for them); colocation learns of it
+    mode.early.reset()
+    if mode.speculation is not None:
+        mode.speculation.set_members(new.order)
+    mode.colocation.layout_changed()
+    return True
