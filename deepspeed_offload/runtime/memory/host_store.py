@@ -131,11 +131,12 @@ class HostStore:
     def repin(self, sub_groups: Iterable[int]):
         """These sub-groups stream again: their slabs are locked (memory held again) before their
         state is written into their regions."""
+        slabs = []
         for i in sub_groups:
             if i in self.unpinned:
                 self.unpinned.discard(i)
-                for k in self._slabs_of[i]:
-                    self.slabs.lock(k)
+                slabs += self._slabs_of[i]
+        self.slabs.lock(slabs)
 
     @property
     def pinned_bytes(self) -> int:

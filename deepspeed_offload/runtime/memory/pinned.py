@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.utils import logger
@@ -184,8 +184,9 @@ class Slabs:
     again when written); ``lock``: locked again. A store whose accelerator pins its own way
     (``pin_empty``) has no slabs: nothing is unpinned."""
 
-    def __init__(self, pinner=None, mappings=None, work=()):
+    def __init__(self, pinner=None, mappings=None, work=(), cpus=()):
         self.pinner, self.mappings = pinner, mappings or {}
+        self.cpus = list(cpus)  # the GPU's NUMA node's CPUs, where the threads that lock again run
         self.slabs: List[Tuple[torch.dtype, int, int]] = list(work)  # (dtype, start, end) in bytes
         self.locked = [True] * len(self.slabs)
         for dt, mapping in self.mappings.items():  # unregisters what is still locked when it goes
@@ -214,16 +215,33 @@ class Slabs:
         if last > first and hasattr(mmap, "MADV_DONTNEED"):
             self.mappings[dt].madvise(mmap.MADV_DONTNEED, first, last - first)
 
-    def lock(self, k: int):
-        if self.locked[k]:
+    def lock(self, slabs: Iterable[int]):
+        """Lock these slabs again, as attach locked them: their pages touched and registered by up to
+        ``pin_threads()`` threads on the GPU's NUMA node at once (one thread faulting a give-back's
+        gigabytes back in would stall the forward it runs before for seconds)."""
+        todo = [k for k in dict.fromkeys(slabs) if not self.locked[k]]
+        if not todo:
             return
-        dt, lo, hi = self.slabs[k]
-        try:
-            self.pinner.register(self._address(k), hi - lo)
-        except RuntimeError as e:  # pageable memory still works, its copies are slower; training goes on
-            logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay pageable: {e}")
-            return
-        self.locked[k] = True
+        bound = threading.local()
+
+        def relock(k):
+            if self.cpus and not getattr(bound, "done", False) and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, self.cpus)
+                bound.done = True
+            _, lo, hi = self.slabs[k]
+            address = self._address(k)
+            ctypes.memset(address, 0, hi - lo)  # the pages back, zeroed in parallel (they read as zeros anyway)
+            try:
+                self.pinner.register(address, hi - lo)
+            except RuntimeError as e:  # pageable memory still works, its copies are slower; training goes on
+                logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay pageable: {e}")
+                return
+            self.locked[k] = True
+
+        with ThreadPoolExecutor(max_workers=min(pin_threads(), len(todo)),
+                                thread_name_prefix="deepspeed-offload-pin") as pool:
+            for future in [pool.submit(relock, k) for k in todo]:
+                future.result()
 
     @property
     def unpinned_bytes(self) -> int:
@@ -276,7 +294,7 @@ def allocate(sizes: Dict[torch.dtype, int], bounds: Dict[torch.dtype, List[Tuple
             bar.close()
     buffers = {dt: torch.frombuffer(mapping, dtype=dt, count=sizes[dt]) if sizes[dt] else torch.empty(0, dtype=dt)
                for dt, mapping in mappings.items()}
-    slabs = Slabs(pinner, mappings, work)
+    slabs = Slabs(pinner, mappings, work, cpus)
     return buffers, PinnedStats(pinner.kind, total, time.perf_counter() - t0, threads, numa_node), slabs
 
 
