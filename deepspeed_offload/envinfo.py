@@ -1,10 +1,11 @@
 """``deepspeed-offload env``: what a bug report about this package needs to know about the machine.
 
-Like ``ds_report`` and ``accelerate env``, but about what offload depends on: the versions of the
-stack, the accelerator, the caching allocator's settings, how much host memory can be pinned
-(``ulimit -l``, MemAvailable, the cgroup limit, a real 64 MiB pin on a GPU), /dev/shm, the pinned
-copy bandwidth each way and both at once (measured with ``bandwidth.bandwidth``, the benchmark's own
-probe), and whether DeepCompile can load for compile mode.
+Versions, CUDA, the GPUs and the OS are what torch's ``collect_env`` and DeepSpeed's ``ds_report`` (its
+general environment info) say, printed as they print them. Added is what offload depends on: the
+integrations' versions, the accelerator and each GPU's NUMA node, the ``DS_OFFLOAD_*`` settings, how
+much host memory the stores can pin (``ulimit -l`` and CAP_IPC_LOCK, MemAvailable, the cgroup limit,
+a real 64 MiB pin on a GPU), /dev/shm, the pinned copy bandwidth each way and both at once
+(``bandwidth.bandwidth``, the benchmark's own probe), and whether DeepCompile loads.
 
 Each probe is one key. A probe with nothing to measure here (no CUDA device, a package not installed)
 or one that fails gives its reason instead of a value: the text output says ``n/a: <reason>``, the
@@ -20,24 +21,27 @@ when it falls back to the CPU accelerator on import (``DS_ACCELERATOR=cpu`` sile
 
 import argparse
 import contextlib
+import functools
+import io
 import json
 import os
-import platform
 import re
 import resource
 import shutil
 import sys
 import time
-from importlib import metadata
+from importlib import import_module, metadata
 
-from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, meminfo, memlock_limit, numa_nodes,
+from .env_settings import read_env
+from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, memlock_limit, numa_nodes,
                           pci_numa_node)
 
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
 BANDWIDTH_GIB = 1
 # The caching allocator's settings, under each name torch reads (which one wins depends on the torch
-# version): expandable_segments changes how much memory it reserves around the same allocations.
+# version; collect_env shows them too, but older torch releases only one): expandable_segments changes
+# how much memory it reserves around the same allocations.
 ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 BUILD_ENV = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR",
              "DS_BUILD_OPS")
@@ -47,61 +51,45 @@ class Unavailable(Exception):
     """A probe's answer that there is nothing to report here, with the reason (not a failure)."""
 
 
-def _cuda_device():
-    """None when there is a CUDA device to measure, else the reason there is none."""
-    import torch
+def _acc():
     from deepspeed.accelerator import get_accelerator
-    name = get_accelerator().device_name()
-    if name != "cuda" or not torch.cuda.is_available():
-        return f"no CUDA device (accelerator '{name}')"
-    return None
+    return get_accelerator()
 
 
 def _need_cuda():
-    reason = _cuda_device()
-    if reason:
-        raise Unavailable(reason)
-
-
-def _limit(value):
-    return "unlimited" if value == resource.RLIM_INFINITY else value
-
-
-def _meminfo(key):
-    value = meminfo(key)
-    if value is None:
-        raise Unavailable(f"no {key} in /proc/meminfo")
-    return value
+    import torch
+    name = _acc().device_name()
+    if name != "cuda" or not torch.cuda.is_available():
+        raise Unavailable(f"no CUDA device (accelerator '{name}')")
 
 
 # ---- the probes: each returns the key's value or raises (Unavailable with the reason) ----
 
 
-def probe_python():
-    return f"{platform.python_version()} ({platform.python_implementation()})"
-
-
-def probe_platform():
-    return platform.platform()
-
-
-def probe_torch():
-    import torch
-    return torch.__version__
+@functools.lru_cache(maxsize=None)
+def torch_env():
+    """torch's ``collect_env.get_env_info()`` (run once: it asks pip, nvidia-smi, lscpu...)."""
+    from torch.utils import collect_env
+    return collect_env.get_env_info()
 
 
 def probe_torch_cuda():
-    import torch
-    if torch.version.cuda:
-        return torch.version.cuda
-    if getattr(torch.version, "hip", None):
-        return f"hip {torch.version.hip}"
+    env = torch_env()
+    if env.hip_compiled_version not in (None, "N/A"):
+        return f"hip {env.hip_compiled_version}"
+    if env.cuda_compiled_version:
+        return env.cuda_compiled_version
     raise Unavailable("torch is a CPU build")
 
 
-def probe_deepspeed():
-    import deepspeed
-    return deepspeed.__version__
+def probe_ds_report():
+    """DeepSpeed's general environment info as ``ds_report`` prints it (its table of ops is left to
+    ``ds_report``: of them, compile mode needs DeepCompile, which ``deepcompile`` loads)."""
+    from deepspeed import env_report
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        env_report.debug_report()
+    return re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).rstrip()  # without its colours
 
 
 def probe_deepspeed_offload():
@@ -110,15 +98,11 @@ def probe_deepspeed_offload():
 
 
 def _distribution(*names):
-
     def probe():
         for name in names:
-            try:
+            with contextlib.suppress(metadata.PackageNotFoundError):
                 return metadata.version(name)
-            except metadata.PackageNotFoundError:
-                pass
         raise Unavailable("not installed")
-
     return probe
 
 
@@ -141,16 +125,6 @@ def probe_allocator_conf():
     """The CUDA caching allocator's settings from the environment, where set (``expandable_segments``
     lowers the reserved peak where the pool fragments: docs/troubleshooting.md)."""
     return _set(ALLOC_CONF_ENV)
-
-
-def probe_accelerator():
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_name()
-
-
-def probe_device_count():
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_count()
 
 
 def probe_devices():
@@ -181,16 +155,16 @@ def probe_nccl():
 
 
 def probe_memlock_limit():
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return {"soft": _limit(soft), "hard": _limit(hard), "cap_ipc_lock": can_lock_any_amount()}
+    soft, hard = ("unlimited" if v == resource.RLIM_INFINITY else v
+                  for v in resource.getrlimit(resource.RLIMIT_MEMLOCK))
+    return {"soft": soft, "hard": hard, "cap_ipc_lock": can_lock_any_amount()}
 
 
 def probe_host_memory():
     """MemTotal and MemAvailable; ``free``: what the node can give (the cgroup may allow less);
     ``usable``: what the pinned stores may take, after the headroom left for the rest of the host."""
     memory = HostMemory.read()
-    return {"total": _meminfo("MemTotal"), "available": memory.available, "free": memory.free,
-            "usable": memory.usable}
+    return {"total": memory.total, "available": memory.available, "free": memory.free, "usable": memory.usable}
 
 
 def probe_cgroup_memory_limit():
@@ -200,11 +174,9 @@ def probe_cgroup_memory_limit():
 
 def probe_pinnable_host_memory():
     """What the host stores could pin at most: the usable host memory, bounded by the memlock soft limit."""
-    bounds = {"usable host memory": HostMemory.read().usable}
-    soft = memlock_limit()  # (None: unlimited, or lifted by CAP_IPC_LOCK)
-    if soft is not None:
-        bounds["memlock limit (ulimit -l)"] = soft
-    limited_by = min(bounds, key=bounds.get)
+    # (memlock_limit None: unlimited, or lifted by CAP_IPC_LOCK)
+    bounds = {"usable host memory": HostMemory.read().usable, "memlock limit (ulimit -l)": memlock_limit()}
+    limited_by = min((k for k in bounds if bounds[k] is not None), key=bounds.get)
     return {"bytes": bounds[limited_by], "limited_by": limited_by}
 
 
@@ -212,11 +184,10 @@ def probe_pin_test():
     """Page-lock 64 MiB the way the host store does (``runtime/memory/pinned.py``: exact size, registered)."""
     _need_cuda()
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     from .compat import pin_empty
     from .runtime.memory import pinned
-    acc = get_accelerator()
+    acc = _acc()
     buffers, stats, _ = pinned.allocate({torch.uint8: PIN_TEST_BYTES}, {torch.uint8: [(0, PIN_TEST_BYTES)]},
                                      pinned.make_pinner(acc, True), fallback=lambda n, dt: pin_empty(acc, n, dt))
     ok = acc.is_pinned(buffers[torch.uint8])
@@ -244,13 +215,11 @@ def probe_pinned_bandwidth():
 def probe_deepcompile():
     """What compile mode needs: torch >= 2.6, a CUDA accelerator (the same check as config.py) and
     DeepSpeed's DeepCompile op, built or loaded here (a JIT build takes a minute, once)."""
-    from deepspeed.accelerator import get_accelerator
-
     from .config import _compile_supported
     ok, why = _compile_supported()
     if not ok:
         raise Unavailable(why)
-    builder = get_accelerator().create_op_builder("DeepCompileBuilder")
+    builder = _acc().create_op_builder("DeepCompileBuilder")
     if builder is None:
         raise Unavailable("this accelerator has no DeepCompileBuilder")
     if not builder.is_compatible(verbose=False):
@@ -272,19 +241,20 @@ def probe_deepcompile():
 
 
 PROBES = [
-    ("python", probe_python),
-    ("platform", probe_platform),
-    ("torch", probe_torch),
+    ("python", lambda: torch_env().python_version),
+    ("platform", lambda: torch_env().python_platform),
+    ("torch", lambda: torch_env().torch_version),
     ("torch_cuda", probe_torch_cuda),
-    ("deepspeed", probe_deepspeed),
+    ("deepspeed", lambda: import_module("deepspeed").__version__),
     ("deepspeed_offload", probe_deepspeed_offload),
     ("transformers", _distribution("transformers")),
     ("accelerate", _distribution("accelerate")),
     ("lightning", _distribution("lightning", "pytorch-lightning")),
     ("build_env", probe_build_env),
     ("allocator_conf", probe_allocator_conf),
-    ("accelerator", probe_accelerator),
-    ("device_count", probe_device_count),
+    ("settings", lambda: read_env().model_dump()),  # this package's DS_OFFLOAD_* settings in effect
+    ("accelerator", lambda: _acc().device_name()),
+    ("device_count", lambda: _acc().device_count()),
     ("devices", probe_devices),
     ("numa_nodes", probe_numa_nodes),
     ("nccl", probe_nccl),
@@ -296,7 +266,14 @@ PROBES = [
     ("dev_shm", probe_dev_shm),
     ("pinned_bandwidth", probe_pinned_bandwidth),
     ("deepcompile", probe_deepcompile),
+    ("torch_env", lambda: torch_env()._asdict()),
+    ("ds_report", probe_ds_report),
 ]
+# The text output prints the two reports as they print them, after the keys; the keys whose values come
+# from a report (kept in the JSON) are not repeated above it.
+SECTIONS = {"torch_env": "torch.utils.collect_env:", "ds_report": "ds_report:"}
+FROM_SECTIONS = {"python": "torch_env", "platform": "torch_env", "torch": "torch_env", "torch_cuda": "torch_env",
+                 "deepspeed": "ds_report"}
 
 
 @contextlib.contextmanager
@@ -336,9 +313,15 @@ def _fmt_bytes(n):
     return n if isinstance(n, str) else format_bytes(n)
 
 
+def _pretty_torch_env(v):
+    from torch.utils import collect_env
+    return collect_env.pretty_str(collect_env.SystemEnv(**v))
+
+
 FORMATS = {
     "build_env": lambda v: _assignments(v) or "none of " + " ".join(BUILD_ENV),
     "allocator_conf": lambda v: _assignments(v) or "unset (torch's defaults)",
+    "settings": lambda v: ", ".join(f"{k} {'default' if x is None else f'{x:g}'}" for k, x in v.items()),
     "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "
                                     f"PCI {d['pci']}, NUMA node {d['numa_node']}" for i, d in enumerate(ds)),
     "numa_nodes": lambda v: f"{len(v)} ({', '.join(map(str, v))})",
@@ -356,23 +339,29 @@ FORMATS = {
                                    f"{v['pageable_h2d_GBps']:.1f} GB/s"),
     "deepcompile": lambda v: (f"yes, DeepCompileBuilder loads ({'prebuilt' if v['prebuilt'] else 'JIT'}, "
                               f"{v['load_seconds']:.1f} s)"),
+    "torch_env": _pretty_torch_env,
 }
 
 
+def _value(report, key):
+    if key in report["unavailable"]:
+        return f"n/a: {report['unavailable'][key]}"
+    try:
+        return FORMATS.get(key, str)(report[key])
+    except Exception:  # a value of an unexpected shape still prints
+        return str(report[key])
+
+
 def format_text(report):
-    """Aligned ``key : value`` lines, ready to paste into a bug report."""
-    keys = [k for k in report if k != "unavailable"]
-    width = max(map(len, keys))
-    lines = ["deepspeed-offload env"]
-    for key in keys:
-        if key in report["unavailable"]:
-            value = f"n/a: {report['unavailable'][key]}"
-        else:
-            try:
-                value = FORMATS.get(key, str)(report[key])
-            except Exception:  # a value of an unexpected shape still prints
-                value = str(report[key])
-        lines.append(f"{key.ljust(width)} : {value}")
+    """Aligned ``key : value`` lines, ready to paste into a bug report, then what torch's collect_env
+    and ds_report say."""
+    shown = {k for k, section in FROM_SECTIONS.items() if report.get(section) is not None}
+    keys = [k for k in report if k != "unavailable" and k not in SECTIONS and k not in shown]
+    width = max(map(len, keys), default=0)
+    lines = ["deepspeed-offload env", *(f"{key.ljust(width)} : {_value(report, key)}" for key in keys)]
+    for key, title in SECTIONS.items():
+        if key in report:
+            lines += ["", title, _value(report, key)]
     return "\n".join(lines)
 
 
@@ -392,10 +381,11 @@ def register(subparsers):
     """Add ``env`` to the ``deepspeed-offload`` subcommands (cli.py's build_parser calls this)."""
     return add_arguments(
         subparsers.add_parser("env",
-                              help="versions, accelerator, pinnable memory, bandwidth: for bug reports",
-                              description="Print what a bug report needs: versions, the accelerator, "
-                              "ulimit -l and pinnable host memory, /dev/shm, pinned copy bandwidth on a GPU, "
-                              "and whether DeepCompile loads. A probe that cannot run says why."))
+                              help="pinnable memory, bandwidth, collect_env and ds_report: for bug reports",
+                              description="Print what a bug report needs: the accelerator, the DS_OFFLOAD_* "
+                              "settings, ulimit -l and pinnable host memory, /dev/shm, pinned copy bandwidth on "
+                              "a GPU, whether DeepCompile loads, then what torch's collect_env and ds_report say. "
+                              "A probe that cannot run says why."))
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,8 @@ attach, with the exact bytes, before the first byte is pinned) all ask one quest
 in what the node can still give? "What the node can give" is the smaller of ``MemAvailable`` and
 what the cgroup this process runs in still allows (a container's or a Slurm job's limit), less a
 headroom for everything else the ranks allocate on the host. The answer names the numbers and the
-ways out; nothing here allocates.
+ways out; nothing here allocates. MemTotal and MemAvailable come from psutil (which DeepSpeed requires);
+what psutil does not read (the cgroup's limit, CAP_IPC_LOCK, where a GPU sits) is read here.
 
 It also says where a GPU sits (its NUMA node, from sysfs) so the store's pages can be placed on
 that node's memory. Every reader takes a ``root`` (``/`` by default) so the tests can fake
@@ -16,8 +17,11 @@ that node's memory. Every reader takes a ``root`` (``/`` by default) so the test
 import math
 import os
 import resource
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
+
+import psutil
 
 from .errors import BLOCK, ConfigError
 
@@ -43,13 +47,19 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def meminfo(key: str, root: str = "/") -> Optional[int]:
-    """One /proc/meminfo figure in bytes (``MemTotal``, ``MemAvailable``); None where there is none."""
-    text = _read(os.path.join(root, "proc/meminfo"))
-    for line in (text or "").splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return None
+def virtual_memory(root: str = "/"):
+    """psutil's ``virtual_memory()`` (``total``: MemTotal, ``available``: MemAvailable on Linux). Under
+    another ``root`` (the tests' faked host) psutil reads ``<root>/proc`` through ``psutil.PROCFS_PATH``,
+    its knob for a /proc mounted elsewhere."""
+    if os.path.abspath(root) == "/":
+        return psutil.virtual_memory()
+    saved, psutil.PROCFS_PATH = psutil.PROCFS_PATH, os.path.join(root, "proc")
+    try:
+        with warnings.catch_warnings():  # a faked meminfo lacks Buffers, Cached...: psutil warns of them
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return psutil.virtual_memory()
+    finally:
+        psutil.PROCFS_PATH = saved
 
 
 def _cgroup_number(text: Optional[str]) -> Optional[int]:
@@ -99,7 +109,8 @@ CAP_IPC_LOCK = 14  # linux/capability.h: locking memory beyond RLIMIT_MEMLOCK
 
 
 def can_lock_any_amount() -> bool:
-    """This process has CAP_IPC_LOCK (root in most containers): the kernel does not hold it to ``ulimit -l``."""
+    """This process has CAP_IPC_LOCK (root in most containers): the kernel does not hold it to ``ulimit -l``.
+    (Read from /proc/self/status: neither psutil nor the standard library gives a process's capabilities.)"""
     try:
         with open("/proc/self/status") as f:
             caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
@@ -124,14 +135,9 @@ class HostMemory:
 
     @classmethod
     def read(cls, root: str = "/") -> "HostMemory":
-        total = meminfo("MemTotal", root)
-        available = meminfo("MemAvailable", root)
-        if total is None or available is None:  # no /proc/meminfo (not Linux): what sysconf says
-            page = os.sysconf("SC_PAGE_SIZE")
-            total = total or page * os.sysconf("SC_PHYS_PAGES")
-            available = available or page * os.sysconf("SC_AVPHYS_PAGES")
+        mem = virtual_memory(root)
         limit, usage = cgroup_memory(root)
-        return cls(total=total, available=available, cgroup_limit=limit, cgroup_usage=usage or 0)
+        return cls(total=mem.total, available=mem.available, cgroup_limit=limit, cgroup_usage=usage or 0)
 
     @property
     def headroom(self) -> int:
@@ -219,6 +225,7 @@ def memlock_hint(nbytes: int) -> str:
 
 
 def numa_nodes(root: str = "/") -> List[int]:
+    # (sysfs, not DeepSpeed's get_numa_cores: that one runs ``numactl --hardware``, often not installed)
     base = os.path.join(root, "sys/devices/system/node")
     try:
         names = os.listdir(base)

@@ -146,12 +146,48 @@ def test_without_cuda_the_gpu_probes_say_so(report):
     assert re.search(r"^pinned_bandwidth +: n/a: no CUDA device", text, re.M)
 
 
-def test_text_has_every_key_aligned(report):
-    lines = envinfo.format_text(report).splitlines()
-    keys = [k for k in report if k != "unavailable"]
+def test_text_has_our_keys_aligned_then_collect_env_and_ds_report(report):
+    """The versions are said once, by torch's collect_env and by ds_report, printed as they print
+    them after our keys; the JSON keeps the keys (python, torch...) with the values they report."""
+    text = envinfo.format_text(report)
+    block = text.split("\n\n", 1)[0]
+    lines = block.splitlines()
+    keys = [k for k in report if k not in ("unavailable", "torch_env", "ds_report", *envinfo.FROM_SECTIONS)]
     assert [line.split(" : ")[0].rstrip() for line in lines[1:]] == keys
     assert len({line.index(" : ") for line in lines[1:]}) == 1
-    assert re.search(rf"^torch +: {re.escape(torch.__version__)}$", "\n".join(lines), re.M)
+    assert not re.search(r"^(python|torch|deepspeed) +:", block, re.M)
+    assert re.search(rf"^PyTorch version: {re.escape(torch.__version__)}$", text, re.M)
+    assert f"\nds_report:\nDeepSpeed general environment info:\n" in text and "\x1b[" not in text
+    assert re.search(rf"^deepspeed info \.+ {re.escape(report['deepspeed'])}, ", text, re.M)
+    from torch.utils import collect_env
+    env = collect_env.get_env_info()
+    assert report["torch_env"]["torch_version"] == env.torch_version == report["torch"]
+    assert (report["python"], report["platform"]) == (env.python_version, env.python_platform)
+
+
+def test_a_report_that_fails_leaves_its_keys_in_the_text(monkeypatch):
+    """Without collect_env's answer the keys it would have shown are printed above, as n/a."""
+    envinfo.torch_env.cache_clear()
+    monkeypatch.setattr("torch.utils.collect_env.get_env_info", lambda: 1 / 0)
+    try:
+        report = envinfo.collect([p for p in envinfo.PROBES if p[0] in ("torch", "deepspeed", "torch_env")])
+    finally:
+        envinfo.torch_env.cache_clear()
+    text = envinfo.format_text(report)
+    assert re.search(r"^torch +: n/a: probe failed: ZeroDivisionError", text, re.M)
+    assert re.search(r"^torch.utils.collect_env:\nn/a: probe failed: ZeroDivisionError", text, re.M)
+    assert re.search(rf"^deepspeed +: {re.escape(report['deepspeed'])}$", text, re.M)  # no ds_report here
+
+
+def test_settings_are_the_ones_attach_reads(monkeypatch):
+    monkeypatch.setenv("DS_OFFLOAD_PIN_THREADS", "3")
+    monkeypatch.setenv("DS_OFFLOAD_COMMIT_TIMEOUT", "120")
+    report = envinfo.collect([p for p in envinfo.PROBES if p[0] == "settings"])
+    assert report["settings"]["pin_threads"] == 3 and report["settings"]["commit_timeout"] == 120
+    assert envinfo.FORMATS["settings"](report["settings"]).startswith("commit_timeout 120, ")
+    monkeypatch.setenv("DS_OFFLOAD_PIN_THREADS", "many")
+    report = envinfo.collect([p for p in envinfo.PROBES if p[0] == "settings"])
+    assert "DS_OFFLOAD_PIN_THREADS" in report["unavailable"]["settings"]
 
 
 def test_a_failing_probe_gives_its_reason_not_a_traceback(monkeypatch, capsys):

@@ -1,5 +1,5 @@
 """Host memory planned before anything is pinned (host_memory.py), and a store allocated at its exact
-size and locked in slabs (runtime/pinned.py): read from faked /proc/meminfo and cgroup files."""
+size and locked in slabs (runtime/memory/pinned.py): read from faked /proc/meminfo and cgroup files."""
 
 import mmap
 
@@ -27,6 +27,16 @@ def test_meminfo_and_cgroup_v2(tmp_path):
     assert (mem.total, mem.available, mem.cgroup_limit, mem.cgroup_usage) == (64 * GiB, 40 * GiB, 32 * GiB, 4 * GiB)
     assert mem.free == 28 * GiB  # the cgroup allows less than MemAvailable
     assert mem.usable == mem.free - max(2 * GiB, int(0.05 * 64 * GiB))
+
+
+def test_memtotal_and_memavailable_are_psutils(tmp_path):
+    """psutil reads them (a faked root through psutil.PROCFS_PATH, put back after); the host's own
+    figures are psutil.virtual_memory()'s."""
+    import psutil
+    mem = HostMemory.read(str(write_host(tmp_path, total=64 * GiB, available=40 * GiB)))
+    assert (mem.total, mem.available) == (64 * GiB, 40 * GiB) and psutil.PROCFS_PATH == "/proc"
+    host, vm = HostMemory.read(), psutil.virtual_memory()
+    assert host.total == vm.total and abs(host.available - vm.available) < GiB
 
 
 def test_cgroup_v1_and_no_limit(tmp_path):
@@ -272,3 +282,42 @@ def test_pinning_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert not isinstance(pinned._progress(10, show=True), pinned._ProgressLines)  # tqdm's bar
     assert pinned._progress(10, show=False) is None
+
+
+def test_a_give_back_locks_its_slabs_again_on_several_threads_at_once(fake_host, monkeypatch):
+    """The measured plan's give-back runs before a forward: the slabs of the sub-groups that stream
+    again are touched and registered by the pin threads together, as at attach, not one after the
+    other on the training thread (a give-back of gigabytes would stall the forward for seconds)."""
+    import threading
+    import time as time_
+    fake_host()
+    page = mmap.PAGESIZE // 4
+    monkeypatch.setattr(pinned, "SLAB_BYTES", page * 4)  # a slab per sub-group
+    monkeypatch.setenv("DS_OFFLOAD_PIN_THREADS", "4")
+
+    class SlowPinner(RecordingPinner):
+        def __init__(self):
+            super().__init__()
+            self.threads, self.running, self.most = set(), 0, 0
+            self.guard = threading.Lock()
+
+        def register(self, address, nbytes):
+            with self.guard:
+                self.running += 1
+                self.most = max(self.most, self.running)
+                self.threads.add(threading.current_thread().name)
+            time_.sleep(0.05)  # long enough for the others to start
+            with self.guard:
+                self.running -= 1
+            super().register(address, nbytes)
+
+    pinner = SlowPinner()
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
+    store = HostStore({i: [(MASTER, torch.float32, page)] for i in range(8)}, pin_memory=True)
+    store.unpin(range(8))
+    pinner.threads.clear()
+    pinner.most = 0
+    store.repin(range(8))
+    assert store.unpinned == set() and store.pinned_bytes == store.nbytes
+    assert pinner.most > 1 and all(name.startswith("deepspeed-offload-pin") for name in pinner.threads), \
+        (pinner.most, pinner.threads)
