@@ -18,8 +18,9 @@ from .ds_config import load_ds_config
 from .framework_fill import FRAMEWORKS, fill, has_auto, parse_set, strict_json
 from .errors import BLOCK, ConfigError
 from .env_settings import read_env
-from .estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes,
-                       state_bytes_per_rank)
+from .fit import (H200_BANDWIDTH_GBPS, add_arguments as add_fit_arguments, describe as describe_fit,
+                  from_args as fit_from_args, shape_from_args)
+from .estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes, state_bytes_per_rank)
 from .host_memory import HostMemory, check_host_plan, format_bytes
 from .runtime.memory.node_plan import largest_params, node_plan_for, split
 
@@ -135,39 +136,53 @@ def _node_line(plan, params: int, world: int, ranks: int) -> str:
 
 
 def cmd_estimate(ns) -> int:
-    """What offload would free and cost, from the parameter count and the link's bandwidth."""
+    """What offload would free and cost, from the parameter count (or the model's shape) and the link's
+    bandwidth; with the shape and --seq, whether the iteration fits (fit.py): exit 1 where it does not."""
+    answer = None
     try:
         sub_group_mb, budget_gb, speculate_gb = 256, None, 0.0  # the block's defaults (speculation: not sized here)
+        ds_config = None
         if ns.config:
-            plan = validate(load_ds_config(ns.config))
+            ds_config = load_ds_config(ns.config)
+            plan = validate(ds_config)
             if plan is not None:
                 sub_group_mb, budget_gb = plan.offload.sub_group_mb, plan.offload.memory_budget_gb
                 speculate_gb = plan.offload.speculate_memory_gb
+        shape = shape_from_args(ns)  # (and --params, --largest-param from it where not given)
         bandwidth, measured = ns.bandwidth, False
         if bandwidth is None:
             from .bandwidth import measure_bandwidth
             bandwidth, measured = measure_bandwidth(), True
+        if bandwidth is None and shape is not None:  # the fit answer's time: an H200's, as its throughput
+            bandwidth, measured = H200_BANDWIDTH_GBPS, None
         if bandwidth is None:
             raise ConfigError("--bandwidth", "no CUDA device here to measure the host-device bandwidth: pass "
                               "--bandwidth GBps (each way, both directions at once)")
+        ranks_per_node = ns.ranks_per_node or ranks_per_node_default(ns.world_size)
+        if shape is not None:
+            answer = fit_from_args(ns, shape, ds_config, budget_gb, sub_group_mb, speculate_gb, ranks_per_node,
+                                   _device_memory(ns), _host_cap(ns, ranks_per_node), bandwidth)
     except ConfigError as e:
         print(f"deepspeed-offload estimate: {e}", file=sys.stderr)
         return 2
-    ranks_per_node = ns.ranks_per_node or ranks_per_node_default(ns.world_size)
-    placement = _split(ns, ranks_per_node) if budget_gb is None else None
-    resident_gb = budget_gb if placement is None else placement["resident"] / 2**30
+    placement = _split(ns, ranks_per_node) if budget_gb is None and answer is None else None
+    resident_gb = (answer["resident_per_rank"] / 2**30 if answer is not None else
+                   budget_gb if placement is None else placement["resident"] / 2**30)
     est = estimate(ns.params, ns.world_size, ranks_per_node, bandwidth, ns.host_bandwidth, sub_group_mb, resident_gb,
                    ns.largest_param)
     if placement is not None:
         est["placement"] = placement
-    est["bandwidth_measured"] = measured
+    if answer is not None:
+        est["fit"] = answer
+    est["bandwidth_measured"] = measured  # (None: assumed, the H200 runs' figure)
     est["speculation_per_rank"] = spec = speculation_bytes(est["gpu_freed_per_rank"], speculate_gb)
     if ns.json:
         print(json.dumps(est))
     else:
-        src = "measured" if measured else "given"
+        src = {True: "measured", False: "given",
+               None: "assumed: the H200 runs' median; pass --bandwidth"}[measured]
         budget = f"{budget_gb:g} GiB" if budget_gb is not None else "the measured plan's, as below" \
-            if placement is not None else "measured after the second step (taken as 0 here)"
+            if placement is not None or answer is not None else "measured after the second step (taken as 0 here)"
         per_rank_bw = est["bandwidth_per_rank_GBps"]
         print(f"optimizer state per rank: {format_bytes(est['state_per_rank'])} (12 bytes x "
               f"{-(-ns.params // ns.world_size):,} parameters); kept resident: {format_bytes(est['resident_per_rank'])} "
@@ -183,14 +198,19 @@ def cmd_estimate(ns) -> int:
                   f", the host's {ns.host_bandwidth:.1f} GB/s shared by {ranks_per_node} ranks")
         print(f"step copy time: {est['step_copy_s']:.3f} s at {per_rank_bw:.1f} GB/s each way per rank (link "
               f"{bandwidth:.1f} GB/s, {src}{shared})")
-        if budget_gb is None:
+        if answer is not None:
+            print(describe_fit(answer, shape, ranks_per_node, bandwidth, src))
+        elif budget_gb is None:
             print(_describe_split(ns, ranks_per_node, placement))
     if budget_gb is not None:  # (derived: the store takes what the host can give, the GPU the rest)
+        given = None if ns.host_memory_gb is None else HostMemory(total=int(ns.host_memory_gb * 2**30),
+                                                                  available=int(ns.host_memory_gb * 2**30))
         try:
-            check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb))
+            check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb),
+                            given)
         except ConfigError as e:
-            print(f"warning (this host): {e.reason}", file=sys.stderr)
-    return 0
+            print(f"warning ({'this host' if given is None else '--host-memory-gb'}): {e.reason}", file=sys.stderr)
+    return 1 if answer is not None and answer["verdict"] == "does not fit" else 0
 
 
 def _host_cap(ns, ranks_per_node: int) -> int:
@@ -293,8 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GPU memory freed, host memory needed and step cost",
                          description="Estimate, before launching, the GPU memory offload frees per rank, the "
                          "pinned host memory per node and the step's copy time, from the parameter count and the "
-                         "host-device bandwidth (measured here when there is a CUDA device, or given).")
-    est.add_argument("--params", type=positive_int, required=True, help="model parameters")
+                         "host-device bandwidth (measured here when there is a CUDA device, or given); with the "
+                         "model's shape and --seq, whether it fits, splits the state or does not fit (exit 1).")
+    est.add_argument("--params", type=positive_int, default=None,
+                     help="model parameters (default: counted from the model's shape, below)")
     est.add_argument("--largest-param", type=positive_int, default=0,
                      help="elements of the model's largest parameter (a Llama's embedding: vocabulary x hidden); "
                      "one larger than a sub-group is a sub-group of its own and sets the staging slots")
@@ -320,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--host-memory-gb", type=positive_float, default=None,
                      help="the node's available host memory (default: this host's MemAvailable and cgroup limit)")
     est.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_fit_arguments(est, positive_int, positive_float)
     est.set_defaults(func=cmd_estimate)
 
     digest = sub.add_parser("digest", help="the checkpoint digest's speed on this host",

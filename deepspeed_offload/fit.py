@@ -1,0 +1,286 @@
+"""The fit answer of ``deepspeed-offload estimate``: from a model's shape, its micro-batch, the
+ds_config, the GPU and this node's host, whether training fits (the whole optimizer state resident),
+splits it (part or all of it streamed from the host) or does not fit; where the state goes; the host
+memory a node pins; the largest micro-batch that fits; and a rough s/iteration.
+
+The iteration's memory is activations.py's calibrated model; the placement is the measured plan's own
+rule (``split`` in runtime/memory/node_plan.py: the host holds what it can give, the GPU keeps what
+fits below its memory less the plan's margin and what the iteration reserves besides the state), or
+the budget the ds_config sets; host memory per rank is the node's usable memory over its ranks, as
+attach judges it. The time is labelled rough: forward+backward from the throughput the H200 runs
+measured (``THROUGHPUT``), scaled by the model's FLOPs; the step from the 7B's step with everything
+resident, plus estimate.py's copy time for what streams, without speculation (an upper bound where
+it runs).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from .activations import (DTYPE_BYTES, FIELDS, GiB, PRESETS, ModelShape, dtype_of, iteration_memory, model_shape,
+                          read_model_config, reduce_bucket_of)
+from .errors import ConfigError
+from .estimate import (STATE_BYTES_PER_PARAM, deepspeed_pinned_per_rank, estimate, speculation_bytes,
+                       state_bytes_per_rank)
+from .host_memory import format_bytes
+from .runtime.memory.node_plan import split
+from .runtime.memory.placement import margin_bytes
+
+# The host-device bandwidth assumed where none is given or measured: the median each way, both
+# directions busy, of the H200 runs' probes (benchmarks/results, 50.4 GB/s).
+H200_BANDWIDTH_GBPS = 50.4
+# The optimizer step of resident state, seconds a parameter of the rank's partition: the 7B's step with
+# all 162 sub-groups resident, 0.206 s (llama-7b-2026-12-03-default.json, default@default).
+RESIDENT_STEP_S_PER_PARAM = 0.206 / 6_738_415_616
+LARGEST_BATCH = 2**16  # the search's upper end
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A measured forward+backward on one H200 (bf16, one rank): the preset, its micro-batch,
+    gradient checkpointing, the synchronized median seconds and where they come from."""
+    model: str
+    batch: int
+    seq: int
+    checkpointing: bool
+    seconds: float
+    source: str
+
+
+THROUGHPUT = (
+    Throughput("1.1B", 8, 2048, False, 0.357, "llama-1b-2026-12-03-frontier.json: resident, fwd_bwd_s"),
+    Throughput("7B", 8, 4096, True, 3.862, "llama-7b-2026-12-03-default.json: default@default, fwd_bwd_s"),
+    Throughput("8B", 8, 4096, True, 4.174, "llama-8b-2026-12-03-default.json: default@0, fwd_bwd_s"),
+    Throughput("13B", 8, 4096, True, 6.934, "llama-13b-2026-12-02-default-8x4096.json: default, fwd_bwd_s"),
+)
+
+
+def training_flops(shape: ModelShape, batch: int, seq: int, checkpointing: bool) -> float:
+    """FLOPs of one forward+backward: 2 per weight and token for each matmul pass (forward, two in
+    backward, and the recompute when checkpointed), over every linear layer and the lm_head, plus
+    causal attention's scores and weighted sum."""
+    passes = 4 if checkpointing else 3
+    matmul_params = shape.num_hidden_layers * shape.layer_params + shape.vocab_size * shape.hidden_size
+    attention = shape.num_hidden_layers * seq * shape.q_dim  # causal: half of QK^T and AV's 4 x seq x q_dim
+    return 2.0 * passes * batch * seq * (matmul_params + attention)
+
+
+def measured_tflops(params: int) -> Throughput:
+    """The calibration run nearest in parameters (by ratio)."""
+    return min(THROUGHPUT, key=lambda t: abs(math.log(PRESETS[t.model].params / params)))
+
+
+def tflops_of(t: Throughput) -> float:
+    return training_flops(PRESETS[t.model], t.batch, t.seq, t.checkpointing) / t.seconds / 1e12
+
+
+def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: str = "bf16",
+        params: Optional[int] = None, world: int = 1, ranks_per_node: int = 1, device: int, host_cap: int,
+        budget_gb: Optional[float] = None, sub_group_mb: int = 256, largest_param: Optional[int] = None,
+        reduce_bucket: int, margin: Optional[int] = None, bandwidth: float = H200_BANDWIDTH_GBPS,
+        host_bandwidth: float, speculate_gb: Optional[float] = 0.0, deepspeed_pinned: int = 0,
+        tflops: Optional[float] = None) -> Dict[str, Any]:
+    """The answer for one rank of ``world`` (bytes, seconds): ``device`` bytes of GPU memory training
+    may use, ``host_cap`` bytes of host memory for this rank's store; ``budget_gb`` None: the measured
+    plan places the state, else that much stays resident."""
+    params = params or shape.params
+    d = DTYPE_BYTES[dtype]
+    state = state_bytes_per_rank(params, world)
+    largest = shape.largest_param if largest_param is None else largest_param
+    slot = min(state, max(sub_group_mb * 2**20, state_bytes_per_rank(largest, world)))
+    margin = margin_bytes(device) if margin is None else margin
+
+    def memory(b: int, resident: int):
+        return iteration_memory(shape, b, seq, checkpointing, params=params, world=world, dtype_bytes=d,
+                                reduce_bucket=reduce_bucket, resident=resident, slot=slot, streamed=resident < state)
+
+    def place(b: int):
+        """(resident bytes, fits, the split) at micro-batch ``b``."""
+        if budget_gb is None:  # the plan measures with the state streamed, then keeps what fits
+            out = split(state, host_cap, device, memory(b, 0).besides_state, margin)
+            return out["resident"], out["fits"], out
+        resident = min(state, int(budget_gb * GiB))
+        it = memory(b, resident)
+        return resident, state - resident <= host_cap and it.peak_reserved <= device, None
+
+    def largest_batch(ok) -> int:
+        if not ok(1):
+            return 0
+        lo = 1
+        while lo < LARGEST_BATCH and ok(min(2 * lo, LARGEST_BATCH)):
+            lo = min(2 * lo, LARGEST_BATCH)
+        hi = min(2 * lo, LARGEST_BATCH + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
+    resident, fits, placement = place(batch)
+    streamed = state - resident
+    it = memory(batch, resident)
+    verdict = "does not fit" if not fits else "fits" if not streamed else "split"
+    if fits:
+        why = ""
+    elif streamed > host_cap and budget_gb is not None:
+        why = (f"memory_budget_gb {budget_gb:g} leaves {format_bytes(streamed)} of each rank's state to the host, "
+               f"which can hold {format_bytes(host_cap)} a rank")
+    elif budget_gb is None:
+        why = (f"the host can hold {format_bytes(host_cap)} of each rank's {format_bytes(state)} of state; the other "
+               f"{format_bytes(state - host_cap)} must stay on the GPU, where the iteration reserves "
+               f"{format_bytes(placement['iteration'])} besides it and the plan keeps a margin of "
+               f"{format_bytes(margin)} on {format_bytes(device)}")
+    else:
+        why = f"the iteration reserves {format_bytes(it.peak_reserved)} of the GPU's {format_bytes(device)}"
+    plain = iteration_memory(shape, batch, seq, checkpointing, params=params, world=world, dtype_bytes=d,
+                             reduce_bucket=reduce_bucket, resident=state)
+    whole = largest_batch(lambda b: place(b)[0] == state) if budget_gb is None else None
+
+    rate = tflops or tflops_of(measured_tflops(params))
+    forward_backward = training_flops(shape, batch, seq, checkpointing) / (rate * 1e12)
+    step = RESIDENT_STEP_S_PER_PARAM * (resident // STATE_BYTES_PER_PARAM)
+    copies = estimate(params, world, ranks_per_node, bandwidth, host_bandwidth, sub_group_mb, resident / GiB, largest)
+    if streamed:
+        step += copies["step_copy_s"]
+    at_attach = min(state, host_cap) if budget_gb is None else streamed
+    spec = speculation_bytes(streamed, speculate_gb) if speculate_gb is not None else None
+    return {
+        "verdict": verdict, "why": why, "params": params, "dtype": dtype, "batch": batch, "seq": seq,
+        "checkpointing": checkpointing, "state_per_rank": state, "resident_per_rank": resident,
+        "streamed_per_rank": streamed, "host_cap_per_rank": host_cap, "device": device, "margin": margin,
+        "slot": slot, "measured_plan": budget_gb is None, "budget_gb": budget_gb,
+        "iteration": {"between_steps": it.between, "activations": it.activations, "slots": it.slots,
+                      "peak_allocated": it.peak_allocated, "peak_reserved": it.peak_reserved,
+                      "besides_state": it.besides_state},
+        "plain_zero3": {"peak_allocated": plain.peak_allocated, "peak_reserved": plain.peak_reserved,
+                        "fits": plain.peak_reserved <= device},
+        "host_pinned_per_node_at_attach": ranks_per_node * at_attach,
+        "host_pinned_per_node": ranks_per_node * streamed,
+        "speculation_per_node": None if spec is None else ranks_per_node * spec,
+        "deepspeed_pinned_per_node": ranks_per_node * deepspeed_pinned,
+        "largest_batch": largest_batch(lambda b: place(b)[1]),
+        "largest_batch_all_resident": whole,
+        "forward_backward_s": forward_backward, "step_s": step, "iteration_s": forward_backward + step,
+        "tflops": rate, "tflops_measured": tflops is None, "bandwidth_per_rank_GBps": copies["bandwidth_per_rank_GBps"],
+    }
+
+
+def describe(answer: Dict[str, Any], shape: ModelShape, ranks_per_node: int, bandwidth: float,
+             bandwidth_source: str) -> str:
+    """The answer as lines of text, the verdict first."""
+    a, it, gib = answer, answer["iteration"], format_bytes
+    ck = "on" if a["checkpointing"] else "off"
+    state, resident, streamed = a["state_per_rank"], a["resident_per_rank"], a["streamed_per_rank"]
+    how = "the measured plan (memory_budget_gb null)" if a["measured_plan"] else f"memory_budget_gb {a['budget_gb']:g}"
+    if a["verdict"] == "fits":
+        head = f"FITS: all {gib(state)} of each rank's optimizer state resident on the GPU; {how}"
+    elif a["verdict"] == "split":
+        head = (f"SPLIT: {gib(resident)} of each rank's {gib(state)} of optimizer state resident on the GPU, "
+                f"{gib(streamed)} streamed from the host each step; {how}")
+    else:
+        head = f"DOES NOT FIT: {a['why']}"
+    lines = [f"fit: {head}",
+             f"  model: {shape.describe()}"
+             + (f", {a['params']:,} parameters counted (--params)" if a["params"] != shape.params else "")
+             + f"; micro-batch {a['batch']} x {a['seq']} tokens, gradient checkpointing {ck}, {a['dtype']}",
+             f"  iteration per rank (model of activations calibrated on the H200 runs, within 6% of them; "
+             f"docs/usage.md): peak allocated {gib(it['peak_allocated'])}, reserved {gib(it['peak_reserved'])} "
+             f"of {gib(a['device'])} (between steps {gib(it['between_steps'])}, activations {gib(it['activations'])}"
+             + (f", staging slots {gib(it['slots'])}" if it["slots"] else "")
+             + (f"; the plan keeps a margin of {gib(a['margin'])})" if a["measured_plan"] else ")"),
+             f"  plain ZeRO-3 (no offload) would reserve {gib(a['plain_zero3']['peak_reserved'])}: "
+             + ("fits" if a["plain_zero3"]["fits"] else "does not fit")]
+    spec = a["speculation_per_node"]
+    spare = (" plus what the host has spare, for speculation's second regions (speculate_memory_gb null)"
+             if spec is None else f" plus {gib(spec)} for speculation" if spec else "")
+    ds = f" plus {gib(a['deepspeed_pinned_per_node'])} DeepSpeed pins (offload_param)" if a[
+        "deepspeed_pinned_per_node"] else ""
+    if a["measured_plan"]:
+        lines.append(f"  host memory per node ({ranks_per_node} rank(s), each store at most "
+                     f"{gib(a['host_cap_per_rank'])}): {gib(a['host_pinned_per_node_at_attach'])} pinned at attach, "
+                     f"{gib(a['host_pinned_per_node'])} once the plan has made state resident{spare}{ds}")
+    else:
+        lines.append(f"  host memory per node ({ranks_per_node} rank(s)): {gib(a['host_pinned_per_node'])} pinned"
+                     f"{spare}{ds}")
+    largest = (f"  largest micro-batch that fits: {a['largest_batch']} x {a['seq']} tokens" if a["largest_batch"] else
+               f"  largest micro-batch that fits: none (not 1 x {a['seq']} tokens)")
+    whole = a["largest_batch_all_resident"]
+    if whole is not None:
+        largest += f" ({whole} with all of the state resident)" if whole else " (none with all of the state resident)"
+    lines.append(largest)
+    rate = ("measured on the H200 runs for the nearest model" if a["tflops_measured"] else "given")
+    lines.append(f"  s/iteration (rough): {a['iteration_s']:.2f} s = forward+backward {a['forward_backward_s']:.2f} s "
+                 f"at {a['tflops']:.0f} TFLOPS ({rate}) + step {a['step_s']:.2f} s"
+                 + (f" (copies at {a['bandwidth_per_rank_GBps']:.1f} GB/s each way per rank, the link's "
+                    f"{bandwidth:.1f} {bandwidth_source}; without speculation, which hides part of them in backward "
+                    "where the host has memory to spare)" if streamed else ""))
+    return "\n".join(lines)
+
+
+def add_arguments(parser, positive_int, positive_float) -> None:
+    """``estimate``'s flags for the model's shape and its micro-batch (``positive_int``,
+    ``positive_float``: the CLI's argument types, which name the flag in their errors)."""
+    parser.add_argument("--model-config", metavar="PATH",
+                        help="the model's Hugging Face config.json (or its directory): hidden_size, intermediate_size, "
+                        "num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size; with --seq, the "
+                        "fit answer: fits / split / does not fit (exit 1), the placement, host memory, the largest "
+                        "micro-batch, s/iteration")
+    for name in FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
+                            help=f"the model's {name} (instead of, or over, --model-config's)")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help="micro-batch per GPU (default: the ds_config's train_micro_batch_size_per_gpu)")
+    parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sample")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="every decoder layer checkpointed (HF's gradient_checkpointing_enable())")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
+                        help="training dtype (default: the ds_config's bf16 / fp16 section, else fp32; bf16 without "
+                        "--config)")
+    parser.add_argument("--tflops", type=positive_float, default=None,
+                        help="forward+backward throughput of your GPU, TFLOPS (default: the H200 runs' measured "
+                        "figure for the nearest model size)")
+
+
+def shape_from_args(ns) -> Optional[ModelShape]:
+    """The model's shape from ``--model-config`` and the size flags (None when none of them is given),
+    and ``ns.params`` and ``ns.largest_param`` from it where not given; ConfigError naming
+    ``--params`` when neither the count nor the shape is."""
+    shape = None
+    if ns.model_config is not None or any(getattr(ns, name) is not None for name in FIELDS):
+        config = read_model_config(ns.model_config) if ns.model_config is not None else None
+        shape = model_shape(config, {name: getattr(ns, name) for name in FIELDS})
+    if ns.params is None:
+        if shape is None:
+            raise ConfigError("--params", "give the model's parameters, or its shape (--model-config, or "
+                              "--hidden-size and the other sizes)")
+        ns.params = shape.params
+    if shape is not None and not ns.largest_param:
+        ns.largest_param = shape.largest_param
+    return shape
+
+
+def from_args(ns, shape: ModelShape, ds_config: Optional[Dict[str, Any]], budget_gb: Optional[float],
+              sub_group_mb: int, speculate_gb: Optional[float], ranks_per_node: int, device: Optional[int],
+              host_cap: int, bandwidth: float) -> Dict[str, Any]:
+    """``fit`` for estimate's arguments (``device``: None where there is no device to ask and no
+    --device-memory-gb); ConfigError naming the flag that is missing."""
+    if ns.seq is None:
+        raise ConfigError("--seq", "the fit answer needs the tokens per sample (--seq) beside the model's shape")
+    if ns.iteration_memory_gb is not None:
+        raise ConfigError("--iteration-memory-gb", "the model's shape predicts what the iteration needs: give the "
+                          "shape or --iteration-memory-gb, not both")
+    batch = ns.batch
+    if batch is None:
+        micro = (ds_config or {}).get("train_micro_batch_size_per_gpu")
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+            raise ConfigError("--batch", "the micro-batch per GPU: pass --batch (or a --config whose "
+                              "train_micro_batch_size_per_gpu is a number)")
+        batch = micro
+    if device is None:
+        raise ConfigError("--device-memory-gb", "no CUDA device here to ask for its memory: pass --device-memory-gb")
+    return fit(shape, batch, ns.seq, ns.gradient_checkpointing, dtype=ns.dtype or dtype_of(ds_config),
+               params=ns.params, world=ns.world_size, ranks_per_node=ranks_per_node, device=device,
+               host_cap=host_cap, budget_gb=budget_gb, sub_group_mb=sub_group_mb,
+               largest_param=ns.largest_param or None, reduce_bucket=reduce_bucket_of(ds_config, shape.hidden_size),
+               margin=None if ns.margin_gb is None else int(ns.margin_gb * GiB), bandwidth=bandwidth,
+               host_bandwidth=ns.host_bandwidth, speculate_gb=speculate_gb,
+               deepspeed_pinned=deepspeed_pinned_per_rank(ns.params, ns.world_size, ds_config), tflops=ns.tflops)
