@@ -1,8 +1,10 @@
 """Batches that grow while training runs, on a plain Hugging Face ``LlamaForCausalLM`` (not the bench's
-model): ``zero.Init``, bf16, FusedAdam, ``gradient_checkpointing_enable()`` with no arguments (HF's
-default: reentrant), DeepSpeed's defaults for everything the ds_config leaves out. Per iteration: the
-batch, seconds (synchronized), peak allocated and reserved GiB, the resident and streamed sub-groups;
-an out-of-memory error ends the run and is reported.
+model): ``zero.Init``, bf16, FusedAdam, reentrant gradient checkpointing (what
+``gradient_checkpointing_enable()`` gives in transformers 4 and most ZeRO-3 recipes set; asked for
+explicitly, since transformers 5 defaults to non-reentrant; ``--non-reentrant`` for the other),
+DeepSpeed's defaults for everything the ds_config leaves out. Per iteration: the batch, seconds
+(synchronized), peak allocated and reserved GiB, the resident and streamed sub-groups; an
+out-of-memory error ends the run and is reported.
 
     deepspeed --num_gpus 1 benchmarks/grow.py --mode default --batches 8,8,8,8,9,9,10,10,11,11,12,12,14,14 \\
         --out grow-default.json
@@ -39,6 +41,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
     from deepspeed.ops.adam import FusedAdam
 
@@ -57,10 +60,8 @@ def main():
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = LlamaForCausalLM(config)
-    if args.non_reentrant:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable()
+    # the style asked for explicitly: transformers 4 defaults to reentrant, transformers 5 to non-reentrant
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": not args.non_reentrant})
     optimizer = FusedAdam(model.parameters(), lr=1e-5)
     engine, _, _, _ = deepspeed_offload.initialize(model=model, optimizer=optimizer, config=cfg)
     handle = deepspeed_offload.get_handle(engine)
@@ -102,7 +103,8 @@ def main():
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
               "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
               "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__}
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+              "transformers": transformers.__version__}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

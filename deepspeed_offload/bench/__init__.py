@@ -5,6 +5,7 @@ PNG charts.
 
     deepspeed-offload bench --out bench.json --plot bench.png --timeline timeline.png \\
         [--model mlp|sequential|llama] [--modes all|resident,stream,...] [--budgets 0,8,16,32,default] [--ranks 2]
+        [--trace]   # also write each iteration's row and the allocator timeline (default: medians, spreads, peaks)
 
 One module per job: ``modes`` (the mode catalogue and each mode's ds_config), ``models`` (the model
 zoo), ``options`` (the command line), ``driver`` (the worker processes, resume, the entry point),

@@ -71,16 +71,19 @@ class MLP(torch.nn.Module):
 def build_llama(args):
     """A Llama-shaped ``LlamaForCausalLM`` with random weights (whatever each module's own init gives;
     under ``zero.Init`` every module is partitioned as it is built). SDPA attention, no KV cache,
-    untied embeddings; with ``args.grad_ckpt`` gradient checkpointing on every decoder layer
-    (non-reentrant: the form ZeRO-3's parameter hooks work with), off otherwise."""
+    untied embeddings; with ``args.grad_ckpt`` gradient checkpointing on every decoder layer, in its
+    style, asked for explicitly: ``reentrant`` (transformers 4's default for ``gradient_checkpointing_enable()``
+    with no arguments, and what most ZeRO-3 recipes set; transformers 5 defaults to non-reentrant),
+    ``non-reentrant``; off otherwise."""
     LlamaConfig, LlamaForCausalLM = llama_classes()
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 2048),
                          use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
-    if getattr(args, "grad_ckpt", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    style = getattr(args, "grad_ckpt", None)
+    if style:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": style == "reentrant"})
     return model
 
 

@@ -6,6 +6,7 @@ worker process (the driver passes its own argv on, plus ``--worker MODE --result
 """
 
 import argparse
+import shlex
 
 from . import models
 from .modes import ALIASES, FAMILIES, FIXED, SWEEPS
@@ -16,7 +17,8 @@ TIMELINE_HELP = "resident and the stream modes (stream, stream_overlap, stream@B
 
 # What identifies a run (the rest says where its output goes or how it is driven; a preset is
 # identified by the sizes it sets, which are compared).
-NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "profile", "timeout", "worker", "result_file", "preset")
+NOT_IDENTITY = ("modes", "budgets", "resume", "out", "plot", "timeline", "trace", "profile", "timeout", "worker",
+                "result_file", "preset")
 
 
 def build_parser(ap=None):
@@ -32,8 +34,10 @@ def build_parser(ap=None):
                     "llama: a transformers LlamaForCausalLM (TinyLlama's shape by default)")
     ap.add_argument("--preset", choices=list(models.LLAMA_PRESETS), default=None,
                     help=f"llama's shape (default {models.DEFAULT_PRESET}); the size flags below override it")
-    ap.add_argument("--grad-ckpt", action="store_true",
-                    help="llama: gradient checkpointing on every decoder layer (non-reentrant)")
+    ap.add_argument("--grad-ckpt", nargs="?", const="non-reentrant", default=None,
+                    choices=["reentrant", "non-reentrant"],
+                    help="llama: gradient checkpointing on every decoder layer, 'reentrant' (transformers 4's default, "
+                    "what most ZeRO-3 recipes set) or 'non-reentrant' (the flag alone; transformers 5's default)")
     ap.add_argument("--layers", type=int, default=None, help="default: 64 (mlp), the preset's (llama)")
     ap.add_argument("--hidden", type=int, default=None, help="default: 4096 (mlp), the preset's (llama)")
     ap.add_argument("--tokens", type=int, default=4096, help="rows of the MLP's input")
@@ -72,6 +76,11 @@ def build_parser(ap=None):
     ap.add_argument("--plot", default=None, help="PNG path for the chart (and <name>-sweep.png for the budget sweep)")
     ap.add_argument("--timeline", default=None,
                     help="PNG path for the memory timeline of one iteration of " + TIMELINE_HELP)
+    ap.add_argument("--trace", action="store_true",
+                    help="also write the raw figures to --out: every measured iteration's row (per_iter) and, "
+                    "with --timeline, the allocator timeline it is drawn from (timeline); off (the default): each "
+                    "mode's medians, spreads and peaks only (--timeline's chart is drawn all the same; --charts-from "
+                    "redraws a timeline only from a run written with --trace)")
     ap.add_argument("--profile", default=None,
                     help="directory for a torch.profiler trace of two more iterations of " + TIMELINE_HELP +
                     " (each mode's summary per stream goes into its result)")
@@ -81,10 +90,30 @@ def build_parser(ap=None):
                     "expandable one): its size, iteration, phase, and DeepSpeed's or our call that needed it")
     ap.add_argument("--charts-from", nargs="+", default=None, metavar="JSON",
                     help="run nothing: draw --plot/--timeline from these bench.json files (a committed run, or several "
-                    "of one model: each mode from the first file that has it, the title giving every run's date)")
+                    "of one model: each mode from the first file that has it, the title giving every run's date; "
+                    "--timeline needs a run written with --trace)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     return ap
+
+
+def command_line(recorded):
+    """The ``deepspeed-offload bench`` command that a run's recorded arguments (``args_record``) stand for:
+    every argument that differs from this version's default, in the parser's order (the model's sizes
+    as ``resolve`` filled them in)."""
+    words = ["deepspeed-offload", "bench"]
+    for action in build_parser()._actions:
+        if action.dest in ("help", "worker", "result_file") or action.dest not in recorded or not action.option_strings:
+            continue
+        value = recorded[action.dest]
+        if value is None or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(flag)
+        else:
+            words += [flag] + [shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value])]
+    return " ".join(words)
 
 
 def resolve(args):

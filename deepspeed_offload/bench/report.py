@@ -1,6 +1,7 @@
 """The run's summary and its text: the JSON written after every mode (copy floor, each offloading
-mode's overhead over its baseline against the floor), the markdown table and the lines printed at
-the end of a run.
+mode's overhead over its baseline against the floor, the command, commit and machine; each measured
+iteration's row and the allocator timeline only with ``--trace``), the markdown table and the lines
+printed at the end of a run.
 
 Modes are looked up in the catalogue by the names the results hold; a name this version does not
 know (an old result file's) is shown, compared with resident ZeRO-3 and not against the floor.
@@ -8,6 +9,8 @@ know (an old result file's) is shown, compared with resident ZeRO-3 and not agai
 
 import argparse
 import json
+import os
+import subprocess
 import time
 
 import torch
@@ -15,10 +18,13 @@ import torch
 from ..estimate import state_bytes_per_rank
 from .loop import GiB
 from .modes import lookup
-from .options import args_record
+from .options import args_record, command_line
 from .results import by_round, unmeasured
 
 _DEFAULTS = dict(sub_group_mb=256, overlap_memory_gb=None, budget_gb=16.0)
+# The raw figures of a mode's result, written to --out only with --trace: each measured iteration's
+# row and the allocator timeline of one more (the summary keeps their medians, spreads and peaks).
+RAW_KEYS = ("per_iter", "timeline")
 
 
 def settings_of(summary_or_args):
@@ -41,18 +47,57 @@ def against_floor(name, settings):
     return bool(mode and mode.against_floor)
 
 
+def without_raw(results):
+    """``results`` without ``RAW_KEYS`` (what --out holds unless --trace)."""
+    return {m: {k: v for k, v in r.items() if k not in RAW_KEYS} if isinstance(r, dict) else r
+            for m, r in results.items()}
+
+
+def code_commit():
+    """The commit of the package's checkout (``+dirty`` with uncommitted changes), or None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def hardware():
+    """The machine, as a run's summary records it."""
+    out = {"host_cpus": os.cpu_count()}
+    try:
+        out["host_memory_GiB"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        out["gpu"], out["gpus"] = torch.cuda.get_device_name(0), torch.cuda.device_count()
+    except Exception:
+        pass
+    return out
+
+
 def summarize(results, args):
     """The JSON summary of ``results``, written to ``args.out``: the copy floor (one rank's state
     bytes over the each-way bandwidth with both directions busy, measured with every rank copying at
     once), each offloading mode's overhead over its baseline against it, and the share of the floor
-    that overlap hid: ``1 - overhead / floor`` (1: the copies cost nothing; 0: none hidden)."""
+    that overlap hid: ``1 - overhead / floor`` (1: the copies cost nothing; 0: none hidden). The file
+    leaves out ``RAW_KEYS`` unless ``--trace``; the summary returned (for the report and the charts)
+    has them."""
     bw = results.get("bandwidth", {})
     ranks = getattr(args, "ranks", 1) or 1
     params = next((r["params"] for r in results.values() if "params" in r), None)
     state_bytes = state_bytes_per_rank(params, ranks) if params else None
     floor_s = state_bytes / (bw["both_each_way_GBps"] * 1e9) if state_bytes and "both_each_way_GBps" in bw else None
+    record = args_record(args)
     summary = {"floor_s": floor_s, "state_bytes_per_rank": state_bytes, "results": results,
-               "date": time.strftime("%Y-%m-%d"), "args": args_record(args)}
+               "date": time.strftime("%Y-%m-%d"), "args": record, "command": command_line(record),
+               "commit": code_commit(), "hardware": hardware()}
     try:
         summary["device"] = torch.cuda.get_device_name(0)
         summary["torch"] = torch.__version__
@@ -75,8 +120,9 @@ def summarize(results, args):
         ratios = by_round(r, base) if base is not r else None
         if ratios:
             r["by_round"] = ratios
+    written = summary if record.get("trace") else dict(summary, results=without_raw(results))
     with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump(written, f, indent=1)
     return summary
 
 

@@ -138,7 +138,7 @@ def run_mode(mode, args, acc, progress):
     if mode.probe:
         return bandwidth_all_ranks(args.bw_gib)
     import deepspeed_offload
-    progress.facts.update(model=args.model, grad_ckpt=bool(getattr(args, "grad_ckpt", False)),
+    progress.facts.update(model=args.model, grad_ckpt=getattr(args, "grad_ckpt", None) or False,
                           ranks=int(os.environ["WORLD_SIZE"]))
     engine, nparams = build_engine(mode, args, acc, progress)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

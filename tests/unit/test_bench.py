@@ -161,22 +161,26 @@ def test_the_7b_preset_has_7b_parameters():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    """--grad-ckpt: every decoder layer recomputed in backward (non-reentrant), the loss and every
-    gradient as without it."""
+    """--grad-ckpt: every decoder layer recomputed in backward, in either style (the flag alone:
+    non-reentrant; ``reentrant``: transformers' default), the loss and every gradient as without it."""
     import torch
     grads = []
-    for flags in ([], ["--grad-ckpt"]):
+    for flags in ([], ["--grad-ckpt"], ["--grad-ckpt", "reentrant"]):
         torch.manual_seed(0)
         args = parse(*TINY_LLAMA, *flags)
         model = models.build_llama(args)
         layers = model.model.layers
         assert all(getattr(layer, "gradient_checkpointing", False) for layer in layers) == bool(flags)
+        if flags:  # the function HF's layers recompute through, with the style asked for
+            fn = layers[0]._gradient_checkpointing_func
+            assert fn.keywords["use_reentrant"] == (flags[1:] == ["reentrant"]), (flags, fn.keywords)
         torch.manual_seed(1)
         loss = models.make_loss(args, "cpu")(model)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
-    assert grads[0][0] == pytest.approx(grads[1][0])
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+    for other in grads[1:]:
+        assert grads[0][0] == pytest.approx(other[0])
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], other[1]))
 
 
 def test_a_tiny_llama_builds_and_trains_on_the_cpu():
@@ -380,6 +384,27 @@ def synthetic(ranks=1):
     return results
 
 
+def test_raw_rows_and_the_timeline_are_written_only_with_trace(tmp_path):
+    """--out holds each mode's medians, spreads and peaks, the command, commit and machine; each measured
+    iteration's row and the allocator timeline only with --trace. The summary returned (what the report
+    and --timeline's chart are drawn from) has them either way, and --trace does not change which run it is."""
+    rows = [{"iter_s": 1.5, "step_s": 0.2}]
+    out = tmp_path / "b.json"
+    s = reporting.summarize(dict(synthetic(), stream=dict(synthetic()["stream"], per_iter=rows)),
+                            parse("--out", str(out), "--iters", "5"))
+    assert s["results"]["stream"]["per_iter"] == rows and s["results"]["stream"]["timeline"]["peak_GiB"] == 7.0
+    written = json.loads(out.read_text())
+    assert not [(m, k) for m, r in written["results"].items() for k in ("per_iter", "timeline") if k in r]
+    assert written["results"]["stream"]["iter_s_max"] == 1.52 and written["args"]["trace"] is False
+    assert written["command"].startswith("deepspeed-offload bench ") and "--iters 5" in written["command"]
+    assert "--trace" not in written["command"] and "hardware" in written and "commit" in written
+    reporting.summarize(dict(synthetic(), stream=dict(synthetic()["stream"], per_iter=rows)),
+                        parse("--out", str(out), "--iters", "5", "--trace"))
+    traced = json.loads(out.read_text())
+    assert traced["results"]["stream"]["per_iter"] == rows and traced["results"]["stream"]["timeline"]["peak_GiB"] == 7.0
+    assert "--trace" in traced["command"] and options.identity_diff(parse("--iters", "5"), traced["args"]) == []
+
+
 def test_the_floor_and_the_share_of_it_hidden(tmp_path):
     args = parse("--out", str(tmp_path / "b.json"))
     s = reporting.summarize(synthetic(), args)
@@ -472,7 +497,7 @@ def test_memory_history_lists_each_segment_reserved_after_the_first_iteration():
 
 def test_the_report_lists_the_reserved_growth():
     r = {"reserved_growth": [{"iteration": 4, "phase": "step", "MiB": 1502.0, "active_GiB": 46.4, "reserved_GiB": 55.98,
-                              "stream": 0, "frames": ["runtime/residency.py:211 _slot", "runtime/stream.py:90 step"]},
+                              "stream": 0, "frames": ["runtime/memory/residency.py:211 _slot", "runtime/step/stream.py:90 step"]},
                              {"iteration": 5, "phase": "backward", "MiB": 20.0, "active_GiB": 40.0, "reserved_GiB": 57.45,
                               "stream": 0, "frames": []}],
          "reserved_growth_truncated": True}
@@ -480,7 +505,7 @@ def test_the_report_lists_the_reserved_growth():
     assert lines[0] == ("stream_speculate: reserved memory grew 2 time(s) after the first iteration (its times were "
                         "measured with the allocator's history recorder on) (the history's oldest entries were dropped)")
     assert lines[1] == ("  1502 MiB in iteration 4 step, with 46.40 of 55.98 GiB reserved in use: "
-                        "runtime/residency.py:211 _slot < runtime/stream.py:90 step")
+                        "runtime/memory/residency.py:211 _slot < runtime/step/stream.py:90 step")
     assert lines[2] == "  20 MiB in iteration 5 backward, with 40.00 of 57.45 GiB reserved in use"
 
 
@@ -636,16 +661,17 @@ def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind)
     for r in results:
         check_worker_result(r, 1)
     assert results[0]["timeline"] is None  # asked for, but the allocator trace is CUDA's
-    assert [r["grad_ckpt"] for r in results] == [False, True]
+    assert [r["grad_ckpt"] for r in results] == [False, "non-reentrant"]
     colocation = {k: v for k, v in results[1].items() if k.startswith("colocate_")}
     assert colocation["colocate_offload_s"] > 0 and colocation["colocate_reload_s"] > 0, colocation
     assert colocation["colocate_cycle_s"] >= colocation["colocate_offload_s"], colocation
     # every field a committed run's stream_overlap result has (the summary adds the overhead figures
-    # and the driver the wall time; the timeline is CUDA's)
+    # and the driver the wall time; the committed summaries keep no per-iteration rows, which the worker writes)
     committed = set().union(*(json.loads(p.read_text())["results"].get("stream_overlap", {}) for p in RUNS))
     later = {"overhead_s", "overhead_over_floor", "hidden_share", "step_over_floor", "pipelined_overhead_s",
              "pipelined_hidden_share", "wall_s", "timeline"}
-    assert "per_iter" in committed and committed - later - set(results[0]) == set()
+    assert {"iter_s", "iter_s_min", "iter_s_max", "peak_reserved_GiB"} <= committed
+    assert committed - later - set(results[0]) == set() and "per_iter" in results[0]
 
 
 def test_the_worker_splits_iterations_by_what_speculation_did(tmp_path, no_shm_left_behind):
@@ -803,7 +829,7 @@ def test_rounds_run_the_modes_in_turn_and_pool_them(tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     out = tmp_path / "b.json"
-    assert driver.main(["--out", str(out), "--modes", "resident,stream_speculate", "--rounds", "3"]) == 0
+    assert driver.main(["--out", str(out), "--modes", "resident,stream_speculate", "--rounds", "3", "--trace"]) == 0
     assert launched == ["resident", "stream_speculate", "stream_speculate", "resident", "resident", "stream_speculate"]
     assert (tmp_path / "b-round2-stream_speculate.log").read_text() == "log of stream_speculate 3"
     summary = json.loads(out.read_text())
