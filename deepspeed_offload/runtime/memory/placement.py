@@ -31,6 +31,7 @@ from deepspeed.utils import log_dist
 
 from ...host_memory import format_bytes
 from .iteration_memory import IterationMemory
+from .layout import fitting_prefix
 
 GiB = 2**30
 # Device memory the measured plan leaves free below the limit: the larger of this share and this size.
@@ -75,12 +76,7 @@ class MeasuredPlan:
         room = self.limit - self.margin - peak_reserved - extra
         if room < 0:
             return [], self._give_back(-room, nbytes)
-        out, held = [], 0
-        for i in streamed:
-            if held + nbytes(i) > room:
-                break
-            out.append(i)
-            held += nbytes(i)
+        out = fitting_prefix(streamed, nbytes, room)
         self.promoted += out
         return out, []
 
