@@ -53,7 +53,7 @@ WAITS = [
     Wait("load.ready", RES, "waits=(r.written, *destination)", "waits=(r.written, )",
          "a load waits for its destination (new buffers: their allocation; a place in a slot: the "
          "write-backs of the sub-groups there before it)", (UNIT, PARITY)),
-    Wait("write_back.slot_free", RES, "self._in_slot[i].written = r.written", "pass",
+    Wait("write_back.slot_free", RES, "self.staging.written(i, r.written)", "pass",
          "a write-back from a slot becomes what the next load into its place waits for", (UNIT, PARITY)),
     Wait("load.written", RES, "waits=(r.written, *destination)", "waits=(*destination, )",
          "a load waits for the sub-group's own previous write-back", (UNIT, COMPILE)),

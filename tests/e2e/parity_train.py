@@ -774,7 +774,7 @@ def train_with(spec):
                 step_stats.append(handle.last_stats)
                 result_extra.setdefault("steps_counted", []).append(handle.steps)
                 if hasattr(handle, "table"):  # copy events remembered for dropped buffers (bounded per step)
-                    result_extra.setdefault("in_flight", []).append(len(handle.table._in_flight))
+                    result_extra.setdefault("in_flight", []).append(len(handle.table.holds.in_flight))
                 if getattr(handle, "plan", None) is not None:
                     result_extra.setdefault("plan", []).append(
                         {"resident": len(handle.resident), "give_backs": handle.plan.give_backs,

@@ -13,8 +13,8 @@ import torch
 
 from deepspeed_offload.runtime.staging.copies import SyncCopies, make_copies
 from deepspeed_offload.runtime.memory.host_store import MASTER, HostStore
-from deepspeed_offload.runtime.memory.residency import (LEGAL, PLACE_ALIGN, IllegalTransition, Phase, Residency,
-                                                 ResidencyTable, pack)
+from deepspeed_offload.runtime.memory.residency import LEGAL, IllegalTransition, Phase, Residency, ResidencyTable
+from deepspeed_offload.runtime.staging.slots import PLACE_ALIGN, pack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from deferred_copies import DeferredCopies  # noqa: E402

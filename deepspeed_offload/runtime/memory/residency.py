@@ -25,33 +25,20 @@ are the only callers of ``move``; each verb decides what its copy waits for:
   (ON_HOST or WRITING_BACK): the next load waits for it as for a write-back, and so does ``drain``;
 - ``drain``: the CPU waits for every write-back (before anything on the CPU reads host state).
 
-Buffers of a sub-group's own are allocated with ``record_stream`` on both copy streams: dropped
-after its write-back is queued, a block goes back to the allocator, which hands it out again only
-once the copies queued by then have ended. Stream mode's step waits for its write-backs before it
-returns (``drain``), so between steps the device holds none of them.
-
-A sub-group's device buffers are a place in a staging slot (slot 0 or 1, at an offset) or buffers
-of its own (loaded early, ahead of the step). Each slot holds the largest offloaded region, so
-smaller sub-groups pack several to a slot (``pack``): the step's sub-groups go into the slots in
-order, each right after the one before it while it fits, else at the start of the other slot. A
-load may go into its place once every sub-group that was there before has been sent out (its
-write-back queued: the load waits for it on the device, not on the CPU); so with sub-groups a third
-of a slot, up to six are loading, updated or writing back at once instead of two. The DeepSpeed
-tensors' ``.data`` rebinding is not done here: the streamed step (``runtime/step/stream.py``) points them
-at ``view(i, key)`` or at the host store.
+A sub-group's device buffers are a place in a staging slot (``staging/slots.py``: where each one
+goes, and which write-backs a load into a place waits for) or buffers of its own (loaded early,
+ahead of the step; ``device_holds.py`` counts what they hold until their copies end). Stream mode's
+step waits for its write-backs before it returns (``drain``), so between steps the device holds none
+of them. The DeepSpeed tensors' ``.data`` rebinding is not done here: the streamed step
+(``runtime/step/stream.py``) points them at ``view(i, key)`` or at the host store.
 """
 
 import enum
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
-import torch
-
+from ..staging.slots import Place, StagingSlots
+from .device_holds import DeviceHolds
 from .host_store import HostStore
-
-# A place's offsets in a slot are multiples of this many elements (every view stays aligned).
-PLACE_ALIGN = 256
-Place = Tuple[int, Dict[torch.dtype, int]]  # (slot, element offset per dtype)
-
 
 class Phase(enum.Enum):
     ON_HOST = "on_host"  # the host store holds the newest state; no device buffers
@@ -109,62 +96,36 @@ class Residency:
         return f"Residency({self.sub_group}, {self.phase.name}{', ' + where if self.on_device else ''})"
 
 
-def _aligned(n: int) -> int:
-    return -(-n // PLACE_ALIGN) * PLACE_ALIGN
-
-
-def pack(order: Iterable[int], numel_of: Callable[[int], Dict[torch.dtype, int]],
-         slot_numel: Dict[torch.dtype, int]) -> Dict[int, Place]:
-    """The places of ``order``'s sub-groups in the two slots: each right after the one before it in
-    the same slot while it fits (in every dtype), else at the start of the other slot. A prefix of
-    ``order`` gets the places it gets in the whole."""
-    places, slot, fill = {}, 0, {}
-    for i in order:
-        need = numel_of(i)
-        if any(_aligned(fill.get(dt, 0)) + n > slot_numel[dt] for dt, n in need.items()):
-            slot, fill = 1 - slot, {}
-        offsets = {dt: _aligned(fill.get(dt, 0)) for dt in need}
-        places[i] = (slot, offsets)
-        fill.update({dt: offsets[dt] + n for dt, n in need.items()})
-    return places
-
-
-class _Occupant:
-    """A sub-group's place in a slot: in use until sent out (``active``), then the event of its
-    write-back (None: unloaded unused, its load ran before any later one on the H2D stream)."""
-
-    __slots__ = ("sub_group", "place", "extent", "active", "written")
-
-    def __init__(self, sub_group: int, place: Place, extent: Dict[torch.dtype, Tuple[int, int]]):
-        self.sub_group, self.place, self.extent = sub_group, place, extent
-        self.active, self.written = True, None
-
-    def overlaps(self, extent) -> bool:
-        return any(dt in self.extent and self.extent[dt][0] < hi and lo < self.extent[dt][1]
-                   for dt, (lo, hi) in extent.items())
-
-    def within(self, extent) -> bool:
-        return all(dt in extent and extent[dt][0] <= lo and hi <= extent[dt][1]
-                   for dt, (lo, hi) in self.extent.items())
-
-
 class ResidencyTable:
-    """Every offloaded sub-group's ``Residency``, the two staging slots, the copies between them."""
+    """Every offloaded sub-group's ``Residency`` and the copies that move it, between the host store,
+    the staging slots (``StagingSlots``: places and occupants) and buffers of its own (``DeviceHolds``:
+    what they hold)."""
 
     def __init__(self, store: HostStore, copies, offloaded: Iterable[int], slot_numel):
         self.store = store
         self.copies = copies
-        self.slot_numel = slot_numel
         self.of: Dict[int, Residency] = {i: Residency(i) for i in offloaded}
-        self.slots: Optional[List[dict]] = None  # two dicts dtype -> buffer, while a step needs them
-        self.slot_ready: List[object] = [None, None]  # per slot: what its first load waits for
-        self.places: Dict[int, Place] = {}  # this step's streamed sub-groups -> their places (``plan``)
-        self._occupants: List[List[_Occupant]] = [[], []]  # per slot: who was where since it was allocated
-        self._in_slot: Dict[int, _Occupant] = {}  # sub-groups in a slot now
+        self.staging = StagingSlots(copies, slot_numel, store.region_numel)
+        self.holds = DeviceHolds(copies)
         self.last_load = None  # event of the newest H2D
         self.last_write = None  # event of the newest D2H
-        self.early_bytes = 0  # bytes held in buffers of their own (loaded ahead of the step)
-        self._in_flight: List[Tuple[object, int]] = []  # buffers of their own dropped while a copy used them
+
+    # what the step and the tests read of the slots and the holds
+    @property
+    def slots(self):
+        return self.staging.buffers
+
+    @property
+    def places(self) -> Dict[int, Place]:
+        return self.staging.places
+
+    @property
+    def slot_numel(self):
+        return self.staging.slot_numel
+
+    @property
+    def early_bytes(self) -> int:
+        return self.holds.early_bytes
 
     def __getitem__(self, i) -> Residency:
         return self.of[i]
@@ -189,26 +150,18 @@ class ResidencyTable:
         synchronous copy or None)."""
         r = self.of[i]
         if staged:
-            if self.slots is None:
-                self._allocate_slots()
-            slot, offsets, numel, extent = self._place(i)
-            before = [o for o in self._occupants[slot] if o.overlaps(extent)]
-            busy = [o.sub_group for o in before if o.active]
+            self.staging.allocate()
+            busy = self.staging.busy(i)
             if busy:
-                raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot load into slot {slot}: "
-                                        f"sub-groups {busy} are still in its place")
+                raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot load into slot "
+                                        f"{self.staging.places[i][0]}: sub-groups {busy} are still in its place")
             r.move(Phase.LOADING)
-            occupant = _Occupant(i, (slot, offsets), extent)
-            # (one wholly inside the new place is covered by it: the next load there waits for this one)
-            self._occupants[slot] = [o for o in self._occupants[slot] if not o.within(extent)] + [occupant]
-            self._in_slot[i] = occupant
-            bufs = {dt: self.slots[slot][dt].narrow(0, offsets[dt], n) for dt, n in numel.items()}
-            destination = (self.slot_ready[slot], *(o.written for o in before))
+            slot, bufs, destination = self.staging.take(i)
         else:
             r.move(Phase.LOADING)
             slot = None
             bufs, ready = self.copies.alloc(self.store.region_numel(i))
-            self.early_bytes += self.store_bytes(i)
+            self.holds.took(self.store_bytes(i))
             destination = (ready, )
         r.buffers, r.slot = bufs, slot
         # (the sub-group's own last write-back first: the negative control in tests drops the rest)
@@ -243,7 +196,7 @@ class ResidencyTable:
         r.written, span = self.copies.d2h(self._regions(i, other), r.buffers, waits=(r.updated, ))
         r.host_stale = False  # the host store is the newest copy once this lands
         if r.slot is not None:
-            self._in_slot[i].written = r.written  # the next load into its place waits for this copy
+            self.staging.written(i, r.written)  # the next load into its place waits for this copy
         self._let_go(r)
         self.last_write = r.written
         return self.store_bytes(i), span
@@ -259,7 +212,7 @@ class ResidencyTable:
             raise IllegalTransition(f"deepspeed-offload: sub-group {i} cannot be restored while loaded")
         r.written, span = self.copies.d2h(self._regions(i), kept, waits=(r.written, ))
         self.last_write = r.written
-        self._in_flight.append((r.written, self.store_bytes(i)))
+        self.holds.copying(r.written, self.store_bytes(i))
         return self.store_bytes(i), span
 
     def unload(self, i: int):
@@ -275,29 +228,20 @@ class ResidencyTable:
         """Drop ``r``'s device buffers (buffers of its own go back to the allocator, which holds the
         blocks until their copies end: until then they count in ``held_early``)."""
         if r.slot is None and r.buffers is not None:
-            nbytes = self.store_bytes(r.sub_group)
-            self.early_bytes -= nbytes
-            last_copy = r.written if r.phase is Phase.WRITING_BACK else r.loaded
-            if last_copy is not None:
-                self._in_flight.append((last_copy, nbytes))
+            self.holds.dropped(self.store_bytes(r.sub_group), r.written if r.phase is Phase.WRITING_BACK else r.loaded)
         if r.slot is not None:
-            self._in_slot.pop(r.sub_group).active = False
+            self.staging.leave(r.sub_group)
         r.buffers, r.slot, r.loaded, r.updated = None, None, None, None
 
     def held_early(self) -> int:
-        """Device memory buffers of their own hold: those in use, and those dropped whose copy has not
-        ended yet (the caching allocator hands their blocks out again only after it, so memory taken
-        meanwhile is new memory: counting them keeps early loads within the peak in memory reserved
-        as well as allocated). Asks the copies' events without waiting for them."""
-        self.prune_in_flight()
-        return self.early_bytes + sum(n for _, n in self._in_flight)
+        """Device memory buffers of their own hold, those dropped whose copy has not ended included
+        (``DeviceHolds``)."""
+        return self.holds.held()
 
     def prune_in_flight(self) -> int:
-        """Forget the dropped buffers whose copies have ended (asked without waiting): once per step
-        (``StepLifecycle.close``) and at every ``held_early``, so the list holds one step's copies at most.
-        Returns how many are left."""
-        self._in_flight = [(ev, n) for ev, n in self._in_flight if not self.copies.done(ev)]
-        return len(self._in_flight)
+        """Forget the dropped buffers whose copies have ended: once per step (``StepLifecycle.close``)
+        and at every ``held_early``, so the list holds one step's copies at most. Returns how many are left."""
+        return self.holds.prune()
 
     def unload_all(self) -> List[int]:
         """Release every sub-group that is loading or loaded but not updated; returns them. (One
@@ -321,47 +265,29 @@ class ResidencyTable:
         assert self.slots is None and not self.in_phase(Phase.LOADING, Phase.ON_DEVICE, Phase.UPDATED), \
             "deepspeed-offload: the offloaded set changes only between steps, with nothing on the device"
         self.of = {i: self.of.get(i) or Residency(i) for i in offloaded}
-        self.slot_numel = slot_numel
+        self.staging.slot_numel = slot_numel
 
-    # ------------------------------------------------------------------ slots
+    # ------------------------------------------------------------------ slots (``StagingSlots``)
 
     def plan(self, order: List[int]):
         """The places of the sub-groups the step streams, in its order (``pack``). Those in a slot
         already (prefetched for a prefix of ``order``) are where the plan puts them."""
-        places = pack(order, self.store.region_numel, self.slot_numel)
-        moved = [i for i, o in self._in_slot.items() if places.get(i) != o.place]
+        moved = self.staging.plan(order)
         if moved:
             raise IllegalTransition(f"deepspeed-offload: sub-groups {moved} are in a slot where this step "
                                     "does not expect them")
-        self.places = places
-
-    def _place(self, i: int):
-        """Sub-group ``i``'s place (``plan``): its slot, offsets, numel and element ranges per dtype."""
-        slot, offsets = self.places[i]
-        numel = self.store.region_numel(i)
-        return slot, offsets, numel, {dt: (offsets[dt], offsets[dt] + n) for dt, n in numel.items()}
 
     def can_stage(self, i: int) -> bool:
         """Whether sub-group ``i``'s place (``plan``) holds no sub-group now: it may load there."""
-        slot, _, _, extent = self._place(i)
-        return not any(o.active and o.overlaps(extent) for o in self._occupants[slot])
-
-    def _allocate_slots(self):
-        self.slots, self.slot_ready = [], []
-        for _ in range(2):
-            bufs, ready = self.copies.alloc(self.slot_numel)
-            self.slots.append(bufs)
-            self.slot_ready.append(ready)
+        return self.staging.can_stage(i)
 
     def in_slots(self) -> List[int]:
         """The sub-groups in a staging slot now."""
-        return list(self._in_slot)
+        return self.staging.in_slots()
 
     def free_slots(self):
         """Hand both slots back to the allocator (their copies keep the blocks until they end)."""
-        held = self.in_slots()
-        assert not held, f"deepspeed-offload: slots freed while sub-groups {held} are in them"
-        self.slots, self.slot_ready, self._occupants, self.places = None, [None, None], [[], []], {}
+        self.staging.free()
 
     # ------------------------------------------------------------------ figures
 

@@ -1,0 +1,41 @@
+"""Device memory that offloaded sub-groups' buffers of their own hold, counted for the load policy.
+
+Buffers of a sub-group's own (loaded early, ahead of the step) are allocated with ``record_stream``
+on both copy streams: dropped after its write-back is queued, a block goes back to the allocator,
+which hands it out again only once the copies queued by then have ended. Memory taken meanwhile is
+new memory, so until those copies end the dropped buffers still count: early loads then stay within
+the iteration's peak in memory reserved as well as allocated. Events are asked without waiting.
+"""
+
+from typing import List, Optional, Tuple
+
+
+class DeviceHolds:
+
+    def __init__(self, copies):
+        self.copies = copies
+        self.early_bytes = 0  # bytes held in buffers of their own (loaded ahead of the step)
+        self.in_flight: List[Tuple[object, int]] = []  # (copy event, bytes) of buffers dropped while a copy used them
+
+    def took(self, nbytes: int):
+        self.early_bytes += nbytes
+
+    def dropped(self, nbytes: int, last_copy: Optional[object]):
+        """Buffers of ``nbytes`` given back; the allocator holds their blocks until ``last_copy`` ends."""
+        self.early_bytes -= nbytes
+        if last_copy is not None:
+            self.in_flight.append((last_copy, nbytes))
+
+    def copying(self, event, nbytes: int):
+        """Device memory of ``nbytes`` not the table's (a rollback's copy) dropped while ``event``'s copy reads it."""
+        self.in_flight.append((event, nbytes))
+
+    def held(self) -> int:
+        """Device memory buffers of their own hold: those in use, and those dropped whose copy has not ended."""
+        self.prune()
+        return self.early_bytes + sum(n for _, n in self.in_flight)
+
+    def prune(self) -> int:
+        """Forget the dropped buffers whose copies have ended; returns how many are left."""
+        self.in_flight = [(ev, n) for ev, n in self.in_flight if not self.copies.done(ev)]
+        return len(self.in_flight)
