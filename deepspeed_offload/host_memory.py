@@ -19,7 +19,7 @@ import os
 import resource
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import psutil
 
@@ -186,6 +186,16 @@ def local_ranks() -> int:
     return 1
 
 
+def node_ways_out(ways: List[str], deepspeed_pinned: int) -> Tuple[List[str], str]:
+    """``ways`` (what the block's settings can change) and the ways out every short node has, and the
+    words for what DeepSpeed pins itself (empty where it pins nothing): the tail of both refusals,
+    ``check_host_plan``'s and attach's node plan's."""
+    ways = ways + ["spread the job over more nodes", "run fewer ranks per node"]
+    if deepspeed_pinned:
+        ways.append("turn off zero_optimization.offload_param.pin_memory")
+    return ways, f" plus {format_bytes(deepspeed_pinned)} DeepSpeed pins itself" if deepspeed_pinned else ""
+
+
 def check_host_plan(plan: HostPlan, memory: Optional[HostMemory] = None):
     """Raise a ConfigError naming the numbers and the ways out when ``plan`` does not fit."""
     memory = memory if memory is not None else HostMemory.read()
@@ -201,10 +211,7 @@ def check_host_plan(plan: HostPlan, memory: Optional[HostMemory] = None):
         budget = math.ceil(((plan.budget_gb or 0) + keep / GiB) * 100) / 100  # rounded up to 0.01 GiB
         ways.append(f"keep {format_bytes(keep)} more of each rank's state on the GPU ({BLOCK}.memory_budget_gb: "
                     f"{budget:g})")
-    ways += ["spread the job over more nodes", "run fewer ranks per node"]
-    if plan.deepspeed_pinned:
-        ways.append("turn off zero_optimization.offload_param.pin_memory")
-    ds = f" plus {format_bytes(plan.deepspeed_pinned)} DeepSpeed pins itself" if plan.deepspeed_pinned else ""
+    ways, ds = node_ways_out(ways, plan.deepspeed_pinned)
     raise ConfigError(f"{BLOCK}.enabled",
                       f"the pinned host stores of {plan.ranks} rank(s) on this node need "
                       f"{format_bytes(plan.store_per_rank * plan.ranks)} ({format_bytes(plan.store_per_rank)} each, "

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ...errors import BLOCK, ConfigError
 from ...estimate import STATE_BYTES_PER_PARAM
-from ...host_memory import HostMemory, format_bytes
+from ...host_memory import HostMemory, format_bytes, node_ways_out
 from .placement import margin_bytes
 
 GiB = 2**30
@@ -143,10 +143,7 @@ def _must_fit(plan: NodePlan, needed: int, what: str, budget_hint=False, specula
         keep = short / len(plan.ranks)
         ways.append(f"keep {format_bytes(keep)} more of each rank's state on the GPU ({BLOCK}.memory_budget_gb), "
                     "or leave memory_budget_gb unset (null): the state the host cannot hold then stays on the GPU")
-    ways += ["spread the job over more nodes", "run fewer ranks per node"]
-    if plan.deepspeed_pinned:
-        ways.append("turn off zero_optimization.offload_param.pin_memory")
-    ds = f" plus {format_bytes(plan.deepspeed_pinned)} DeepSpeed pins itself" if plan.deepspeed_pinned else ""
+    ways, ds = node_ways_out(ways, plan.deepspeed_pinned)
     raise ConfigError(f"{BLOCK}.enabled",
                       f"node {plan.node}: the {what} of its {len(plan.ranks)} rank(s) need {format_bytes(needed)}{ds}, "
                       f"but the node can give {format_bytes(plan.memory.usable)} ({plan.memory.describe()}): "
