@@ -313,6 +313,7 @@ def checkpoint(engine, save):
     t0 = time.perf_counter()
     engine.save_checkpoint(save["dir"], tag=save["tag"])
     print(f"save {save['tag']} returned after {time.perf_counter() - t0:.3f} s", flush=True)
+    last = dict(deepspeed_offload.get_handle(engine).checkpointer.last)
     if save.get("wait"):
         deepspeed_offload.wait_for_checkpoint(engine)
     if save.get("kill"):
@@ -323,6 +324,7 @@ def checkpoint(engine, save):
             time.sleep(0.01)
         print(f"killing rank {engine.global_rank} during the write of {glob.glob(pattern)}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    return {"blocking_s": last["blocking_s"], "behind_bytes": last["behind_bytes"]}
 
 
 # engine.offload_states()'s include of each cycle, in turn: everything, each kind alone or in pairs
@@ -798,7 +800,7 @@ def train_with(spec):
                 result_extra["detach"] = detach_and_check(engine)
         for save in spec.get("saves", []):
             if save["at"] == step + 1 and step >= start:
-                checkpoint(engine, save)
+                result_extra.setdefault("saved", []).append(checkpoint(engine, save))
         if spec.get("colocate") is not None and step >= start:  # after the save: a write may be in flight
             if step == start and spec["colocate"].get("faults"):  # before the first cycle made any host copy
                 result_extra["colocation_faults"] = [colocation_with_fault(engine, f)

@@ -131,6 +131,21 @@ def test_resume_from_async_checkpoint_is_exact(runs):
     assert_bitwise_equal(runs["async"], resumed, what=("fp32", "state"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: only there is the resident state on "
+                    "a device of its own, copied to the host after the save returns")
+def test_the_resident_state_saved_behind_the_step_equals_a_synchronous_save(tmp_path):
+    """At the defaults the measured plan keeps every sub-group resident: the save copies their state to
+    the host after it returned, the steps after it wait for each sub-group's copy before updating it, and
+    the files equal DeepSpeed's synchronous save of the same moment."""
+    save = {"at": 3, "tag": "t3", "dir": str(tmp_path / "a"), "sync_dir": str(tmp_path / "s")}
+    block = {"enabled": True, "mode": "stream", "async_checkpoint": True}
+    run = launch(dict(BASE, offload=block, saves=[save]), tmp_path, "resident")
+    assert run["handle"]["resident"] and run["saved"][0]["behind_bytes"] > 0, (run["handle"]["resident"], run["saved"])
+    assert optimizer_files_equal(tmp_path / "a", tmp_path / "s", "t3", which=".pt")
+    assert ck.verify_checkpoint(str(tmp_path / "a" / "t3")) is None
+
+
 def test_without_the_guard_the_race_is_seen(runs):
     tmp = runs["tmp"]
     save = {"at": 3, "tag": "slow3", "dir": str(tmp / "noguard"), "sync_dir": str(tmp / "noguard-sync")}

@@ -803,6 +803,71 @@ def test_the_store_copies_keep_their_room_and_empty_device_tensors_stay_apart(tm
         torch.bfloat16, torch.int64, torch.float32]
 
 
+class Held(OnDevice):
+    """Resident state whose copy to the host starts only once its gate opens (``gates``, by value),
+    recording the order the copies start in."""
+    gates, started = {}, []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and isinstance(args[1], Held):
+            value = float(args[1].as_subclass(torch.Tensor)[0])
+            cls.started.append(value)
+            assert cls.gates[value].wait(10)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_resident_state_is_copied_after_the_save_returns_and_the_step_waits_for_its_sub_group(tmp_path):
+    """The resident state (device tensors of sub-groups 0 and 1) is copied to the host after
+    save_checkpoint returned, in the step's order (sub-group 0 first, whatever order the state dict lists
+    them in); guard_resident waits only for the sub-group it names; a device tensor of no sub-group (a
+    parameter ZeRO-3 keeps whole) is copied before the save returns. Every file holds the values of the
+    save's moment."""
+    Held.gates, Held.started = {0.5: threading.Event(), 1.5: threading.Event()}, []
+    sg0, sg1 = torch.full((500, ), 0.5).as_subclass(Held), torch.full((500, ), 1.5).as_subclass(Held)
+    whole = torch.ones(10).as_subclass(OnDevice)
+    engine = FakeEngine([("optim.pt", {"state": {"m1": sg1, "m0": sg0}}), ("model.pt", {"ln": whole})])
+    owners = {sg0.data_ptr(): 0, sg1.data_ptr(): 1}
+    ckpt = ck.AsyncCheckpointer(engine, [], owners=lambda: owners)
+    ranges = {i: [(t.data_ptr(), 2000)] for i, t in ((0, sg0), (1, sg1))}
+    engine.save_checkpoint(str(tmp_path), tag="t")  # returns with both copies still to run
+    whole.fill_(-1.0)
+    passed = []
+    waiters = [threading.Thread(target=lambda i=i: (ckpt.guard_resident(ranges[i]), passed.append(i)))
+               for i in (0, 1)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.3)
+    assert passed == [] and Held.started == [0.5]  # the step waits; sub-group 0's copy goes first
+    Held.gates[0.5].set()
+    waiters[0].join(5)
+    assert passed == [0] and not ckpt.synchronize_staging(0.2)  # sub-group 1 still waits for its copy
+    sg0.fill_(-1.0)  # the step updates sub-group 0: its copy is done
+    Held.gates[1.5].set()
+    waiters[1].join(5)
+    assert passed == [0, 1] and Held.started == [0.5, 1.5] and ckpt.synchronize_staging(5)
+    sg1.fill_(-1.0)
+    ckpt.wait()
+    saved = torch.load(tmp_path / "t" / "optim.pt", weights_only=False)["state"]
+    assert torch.equal(saved["m0"], torch.full((500, ), 0.5)) and torch.equal(saved["m1"], torch.full((500, ), 1.5))
+    assert torch.equal(torch.load(tmp_path / "t" / "model.pt", weights_only=False)["ln"], torch.ones(10))
+
+
+def test_a_failed_copy_of_the_resident_state_fails_the_save_and_lets_the_step_go(tmp_path):
+    """A copy of the resident state that raises: the step's guard does not hang, and the save fails
+    (raised on wait) instead of writing a file with what the copy did not bring."""
+    Held.gates, Held.started = {0.5: threading.Event()}, []
+    sg0 = torch.full((500, ), 0.5).as_subclass(Held)
+    engine = FakeEngine([("optim.pt", {"state": {"m0": sg0}})])
+    ckpt = ck.AsyncCheckpointer(engine, [], owners=lambda: {sg0.data_ptr(): 0})
+    Held.gates[0.5].wait = lambda timeout=None: (_ for _ in ()).throw(RuntimeError("copy failed"))
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    ckpt.guard_resident([(sg0.data_ptr(), 2000)])  # returns: nothing is left to wait for
+    with pytest.raises(ck.CheckpointWriteError, match="copy failed"):
+        ckpt.wait()
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_buffer_that_cannot_be_reserved_is_done_without(tmp_path, monkeypatch, caplog):
     """The host ran short between attach's judgment and the reservation: a warning, and each save
     copies into fresh memory where the host has it (as without a reservation); forget() lets the

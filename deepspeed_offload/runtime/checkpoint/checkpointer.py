@@ -16,7 +16,7 @@ import sys
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from deepspeed.utils import log_dist, logger
 
@@ -39,16 +39,18 @@ _exit_hook_registered = False
 class AsyncCheckpointer:
     """Wraps ``engine.save_checkpoint``, ``load_checkpoint`` and ``step`` (through one PatchRegistry).
     ``host_buffers`` are the host store's buffers, whose tensors are written by reference;
-    ``aside_bytes`` the host memory to reserve for the saves' copies aside (attach's node plan).
+    ``aside_bytes`` the host memory to reserve for the saves' copies aside (attach's node plan);
+    ``owners`` says which device tensors are the resident sub-groups' state (``HostStoreStager``).
     ``settings`` default to the environment's (options.py); ``faults`` are for tests only."""
 
     def __init__(self, engine, host_buffers, patches: Optional[PatchRegistry] = None,
-                 settings: Optional[Settings] = None, faults: Faults = NO_FAULTS, aside_bytes: int = 0):
+                 settings: Optional[Settings] = None, faults: Faults = NO_FAULTS, aside_bytes: int = 0,
+                 owners: Optional[Callable[[], Dict[int, int]]] = None):
         self.engine = engine
         self.settings = settings if settings is not None else Settings.from_env()
         self.faults = faults
         t0 = time.perf_counter()
-        self.stager = HostStoreStager(host_buffers, aside_bytes)
+        self.stager = HostStoreStager(host_buffers, aside_bytes, owners)
         if self.stager.aside_bytes:
             log_dist(f"[deepspeed-offload] async checkpoint: {format_bytes(aside_bytes)} of host memory reserved for "
                      f"the saves' copies aside, touched in {time.perf_counter() - t0:.1f} s", ranks=[0])
@@ -74,7 +76,8 @@ class AsyncCheckpointer:
 
     @property
     def last(self) -> Optional[dict]:
-        """``tag``, ``save_id``, ``blocking_s`` of the last save, ``phases`` (this rank's write: the
+        """``tag``, ``save_id``, ``blocking_s`` of the last save, ``behind_bytes`` (the resident state
+        it copied to the host after returning), ``phases`` (this rank's write: the
         seconds it waited for the copies aside, serialized, hashed and flushed) and ``background_s``:
         how long it was written and committed in the background (rank 0; None until then, or if it
         failed)."""
@@ -117,7 +120,8 @@ class AsyncCheckpointer:
         job = SaveJob(save_dir=save_dir, tag=tag, save_id=save_id, rank=rank, world=world, save_latest=save_latest,
                       zipfile=zipfile, paths=staged.paths, scripts=tuple(scripts))
         blocking = time.perf_counter() - t0
-        self._last = {"tag": tag, "save_id": save_id, "blocking_s": blocking, "phases": {}}
+        behind = staged.device_regions.nbytes
+        self._last = {"tag": tag, "save_id": save_id, "blocking_s": blocking, "phases": {}, "behind_bytes": behind}
         self.staged = staged
         self._unchecked = True
         self._staging = staging
@@ -125,8 +129,10 @@ class AsyncCheckpointer:
         self.future = write_async(job, staged, heartbeat, self.settings, self.faults, self._last["phases"])
         how = "copied aside, then written" if self.stager.copies_aside else \
             "written from the host store (not enough host memory spare to copy it aside)"
+        resident = f"; the resident state ({format_bytes(behind)}) copied to the host behind it" if behind else ""
         log_dist(f"[deepspeed-offload] checkpoint {tag}: save_checkpoint blocked {blocking:.3f} s; "
-                 f"{len(staged.paths)} file(s) writing in the background, the optimizer state {how}", ranks=[0])
+                 f"{len(staged.paths)} file(s) writing in the background, the optimizer state {how}{resident}",
+                 ranks=[0])
         return True
 
     def _start(self, save_dir, tag, rank) -> Tuple[str, Optional[str]]:
@@ -190,18 +196,28 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ waiting
 
     def synchronize_staging(self, timeout: Optional[float] = None) -> bool:
-        """Block until nothing of the host store is still to be read by the last save (copied aside, or
-        written to its files), so all of it may be overwritten. False if ``timeout`` seconds passed first."""
+        """Block until nothing of the host store or of the resident state is still to be read by the
+        last save (copied, or written to its files), so all of it may be overwritten. False if
+        ``timeout`` seconds passed first."""
         staged = self.staged
         return staged is None or staged.wait_freed(timeout)
 
     def guard(self, ranges=None):
         """Called by the streamed step right before it overwrites host state: the byte ``ranges``
-        ((start, bytes) of the host store; None: all of it). Waits only while the last save still
-        has to read some of them."""
+        ((start, bytes) of the host store; None: all of it, and every device tensor the save read).
+        Waits only while the last save still has to read some of them."""
         staged = self.staged
         if self.faults.guard and staged is not None:
+            if ranges is None:
+                staged.device_regions.wait(None)
             staged.regions.wait(ranges)
+
+    def guard_resident(self, ranges):
+        """Called right before the step updates a resident sub-group in place: its device tensors'
+        byte ``ranges``. Waits only while the last save is still copying some of them to the host."""
+        staged = self.staged
+        if self.faults.guard and staged is not None:
+            staged.device_regions.wait(ranges)
 
     def pending(self) -> bool:
         """True while this rank's writer (or, on rank 0, the commit) is still running. No collective."""

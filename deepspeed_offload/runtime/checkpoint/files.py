@@ -2,7 +2,7 @@
 from is free to change as soon as its bytes reached the file.
 
 ``serialize`` writes through ``TrackedFile`` into ``<path>.tmp`` and reports each write's source memory
-once the write returned (staging.py's ``Regions``: the step may overwrite that part of the host store
+once the write returned (regions.py's ``Regions``: the step may overwrite that part of the host store
 then) and, when asked, starts the disk writing what it has (``sync_file_range``), so the disk is busy
 while the file is still being serialized. The digest (sha256 of the file's 32 MiB pieces) is taken
 meanwhile: each piece written is read back from the page cache and hashed by worker threads

@@ -3,8 +3,8 @@
 While DeepSpeed builds its state dicts, its checkpoint engine is swapped for ``Capture``, which only
 records them, so the files keep DeepSpeed's names and format (``load_checkpoint`` and
 ``zero_to_fp32.py`` work unchanged). Each state dict is snapshotted: device tensors (the state the
-measured plan keeps resident) are copied to the host now, into ``AsideBuffer`` where it has room;
-small CPU tensors and Python objects are copied; tensors in the host store (fp32 masters, optimizer
+measured plan keeps resident) are copied to the host in the background (``DeviceSnapshot``), into
+``AsideBuffer`` where it has room; small CPU tensors and Python objects are copied; tensors in the host store (fp32 masters, optimizer
 moments: the bulk) are taken one of two ways:
 
 - **copied aside** (where the node has the host memory spare for it): threads copy each into a tensor
@@ -17,22 +17,27 @@ moments: the bulk) are taken one of two ways:
 
 Either way ``Regions`` knows, per host-store tensor, when its bytes may be overwritten (copied aside,
 or written to its file) and the step waits only for the sub-groups it is about to overwrite
-(``AsyncCheckpointer.guard``). ``StagedFiles`` is the handle the writer frees once everything is
-serialized (torch.distributed.checkpoint's ``AsyncStager.stage`` / ``synchronize_staging`` split).
+(``AsyncCheckpointer.guard``). The resident state's device tensors are copied to the host behind
+the loop's back (``DeviceSnapshot``), with ``Regions`` of their own that the step waits on before it
+updates a resident sub-group (``AsyncCheckpointer.guard_resident``). ``StagedFiles`` is the handle
+the writer frees once everything is serialized (torch.distributed.checkpoint's
+``AsyncStager.stage`` / ``synchronize_staging`` split).
 """
 
 import copy
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable, List, Optional, Sequence, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.utils import logger
 
 from ...host_memory import HostMemory, format_bytes
 from ..patches import PatchRegistry
+from .device_snapshot import DeviceSnapshot
 from .errors import CheckpointWriteError
+from .regions import Regions
 
 # Threads that copy the host store's tensors aside, in the store's order (and touch AsideBuffer).
 COPY_THREADS = 8
@@ -85,46 +90,6 @@ class AsideBuffer:
         return self.nbytes - self._at
 
 
-class Regions:
-    """The host-store byte ranges a save reads, and how much of each is still to be copied aside or
-    written: a range may be overwritten once that is none. Thread-safe; ``wait`` blocks the caller."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._spans: List[List[int]] = []  # [start, end, bytes still to copy or write]
-
-    def add(self, start: int, nbytes: int):
-        with self._cond:
-            self._spans.append([start, start + nbytes, nbytes])
-
-    def done(self, start: int, nbytes: int):
-        """``nbytes`` from ``start`` were copied aside or reached their file."""
-        end = start + nbytes
-        with self._cond:
-            for span in self._spans:
-                overlap = min(end, span[1]) - max(start, span[0])
-                if overlap > 0 and span[2]:
-                    span[2] = max(0, span[2] - overlap)
-            self._cond.notify_all()
-
-    def free(self):
-        """Nothing more will be read (the writer finished, or failed)."""
-        with self._cond:
-            for span in self._spans:
-                span[2] = 0
-            self._cond.notify_all()
-
-    def _pending(self, ranges) -> bool:
-        return any(span[2] and (ranges is None or any(span[0] < a + n and a < span[1] for a, n in ranges))
-                   for span in self._spans)
-
-    def wait(self, ranges: Optional[Sequence[Tuple[int, int]]] = None, timeout: Optional[float] = None) -> bool:
-        """Block until every range of ``ranges`` ((start, bytes); None: all) may be overwritten. False if
-        ``timeout`` seconds passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending(ranges), timeout)
-
-
 class Capture:
     """Stands in for DeepSpeed's checkpoint engine during a save: records what would be written and
     touches no disk (the writer creates the directories)."""
@@ -155,16 +120,20 @@ class Capture:
 
 class StagedFiles:
     """This rank's files of one save, snapshotted: ``(staging path, state)`` pairs, the host-store
-    ``regions`` they read and the copies aside still running. The writer serializes the files once
-    the copies are done, then calls ``free()``, which drops them; ``wait_freed()`` blocks until
-    the whole host store may be overwritten."""
+    ``regions`` they read and the copies aside still running, the ``device_regions`` the resident
+    state's copies still read. The writer serializes the files once the copies are done, then calls
+    ``free()``, which drops them; ``wait_freed()`` blocks until the whole host store and every
+    device tensor the save read may be overwritten."""
 
-    def __init__(self, files: List[Tuple[str, object]], regions: Optional[Regions] = None, copies=None):
+    def __init__(self, files: List[Tuple[str, object]], regions: Optional[Regions] = None, copies=None,
+                 device_regions: Optional[Regions] = None, device_copies=None):
         self.paths = tuple(path for path, _ in files)
         self._files = files
         self.regions = regions if regions is not None else Regions()
-        self._copies = list(copies or [])  # futures of the copies aside
-        self.copied_aside = bool(self._copies)
+        self.device_regions = device_regions if device_regions is not None else Regions()
+        self.copied_aside = bool(copies)
+        # futures of the copies aside and of the device tensors' copies
+        self._copies = list(copies or []) + ([device_copies] if device_copies is not None else [])
         self._released = threading.Event()
 
     @property
@@ -184,22 +153,28 @@ class StagedFiles:
         self._files = None
         self._copies = []
         self.regions.free()
+        self.device_regions.free()
         self._released.set()
 
     def freed(self) -> bool:
         return self._released.is_set()
 
     def wait_freed(self, timeout: Optional[float] = None) -> bool:
-        return self.regions.wait(None, timeout)
+        return self.device_regions.wait(None, timeout) and self.regions.wait(None, timeout)
 
 
 class HostStoreStager:
     """Stages saves of one engine whose host store is ``host_buffers``."""
 
-    def __init__(self, host_buffers, aside_bytes: int = 0):
+    def __init__(self, host_buffers, aside_bytes: int = 0, owners: Optional[Callable[[], Dict[int, int]]] = None,
+                 device_snapshot: Optional[DeviceSnapshot] = None):
         """``aside_bytes``: host memory to reserve now for the saves' snapshots (``AsideBuffer``; 0:
-        none, each save that copies aside allocates its own)."""
+        none, each save that copies aside allocates its own). ``owners``: called at each save, the
+        resident state's device tensors (``data_ptr``) and the sub-group each belongs to; those are
+        copied in the background, in the step's order (without ``owners``: every device tensor)."""
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
+        self._owners = owners
+        self._device = device_snapshot or DeviceSnapshot()
         self._pool = None  # the copy threads, made at the first save that copies aside (or here)
         self.aside = None
         if aside_bytes:
@@ -220,7 +195,7 @@ class HostStoreStager:
     def _reset(self):
         self._regions = Regions()
         self._views = {}  # (start, nbytes) -> the alias made for it (one per range: written once)
-        self._from_device = []  # (alias, device tensor): copied once the store's copies have their room
+        self._from_device = []  # (alias, device tensor): given host memory once the store's copies have theirs
 
     def snapshot(self, obj):
         """``obj`` as it is now: host-store tensors copied aside or aliased (module docstring), every
@@ -229,8 +204,8 @@ class HostStoreStager:
             on_device = obj.device.type != "cpu"
             if not on_device and obj.untyped_storage().data_ptr() in self._host_storages:
                 alias = self._from_store(obj.detach())
-            elif on_device and self.aside is not None and obj.is_contiguous() and obj.numel():
-                # copied at the end of the save, into what the store's copies leave of the buffer
+            elif on_device and obj.is_contiguous() and obj.numel():
+                # host memory at the end of the save, from what the store's copies leave of the buffer
                 alias = torch.empty(0, dtype=obj.dtype)
                 self._from_device.append((alias, obj.detach()))
             else:
@@ -272,17 +247,24 @@ class HostStoreStager:
             futures.append(pool.submit(_copy, regions, start, nbytes, src, alias.data))
         return futures
 
-    def _copy_from_device(self):
-        """The device tensors of this save (the state the measured plan keeps resident), copied now
-        (the step changes them once the save returns): into what the store's copies left of the
-        buffer, where they fit (memory already faulted in), else into memory of their own."""
+    def _copy_from_device(self) -> Tuple[Optional[Regions], Optional[Future]]:
+        """The device tensors of this save: each gets its host tensor from what the store's copies
+        left of the buffer where it fits (memory already faulted in), else memory of its own. The
+        resident sub-groups' state (``owners``) is copied in the background in the step's order (the
+        step updates it once the save returns, after waiting for it: the regions returned); the
+        rest (parameters ZeRO-3 keeps whole, buffers: small, and changed outside the step) now."""
+        owners = self._owners() if self._owners is not None else None
+        later = []
         for alias, src in self._from_device:
-            dst = self.aside.take(src)
-            if dst is None:
-                alias.data = src.to("cpu", copy=True)
+            dst = self.aside.take(src) if self.aside is not None else None
+            alias.data = dst if dst is not None else torch.empty(src.shape, dtype=src.dtype)
+            if owners is None or src.data_ptr() in owners:
+                later.append((owners[src.data_ptr()] if owners else 0, len(later), alias.data, src))
             else:
-                dst.copy_(src)
-                alias.data = dst
+                alias.data.copy_(src)
+        if not later:
+            return None, None
+        return self._device.start([(dst, src) for _, _, dst, src in sorted(later, key=lambda x: x[:2])])
 
     @property
     def aside_bytes(self) -> int:
@@ -324,8 +306,8 @@ class HostStoreStager:
         reserved = self.aside is not None and sum(aligned(n) for _, n in self._views) <= self.aside.free
         fits = (reserved or nbytes <= HostMemory.read().usable) if copy_aside is None else copy_aside
         self._last_copied = bool(nbytes) and fits
-        staged = StagedFiles(files, self._regions, self._copy_aside() if self._last_copied else ())
-        self._copy_from_device()
+        copies = self._copy_aside() if self._last_copied else ()
+        staged = StagedFiles(files, self._regions, copies, *self._copy_from_device())
         self._reset()
         return staged, scripts, getattr(capture._inner, "zipfile_serialization", True)
 
@@ -338,6 +320,7 @@ class HostStoreStager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._device.close()
         self.aside = None
 
 

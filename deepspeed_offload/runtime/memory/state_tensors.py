@@ -7,7 +7,7 @@ device buffers while the step updates them (``point_at``). State the optimizer c
 moments at its first step) is copied into the buffers it belongs in (``move_into``).
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,18 @@ class StateTensors:
         if key == MASTER:
             return master
         return self.base.state.get(master, {}).get(key)
+
+    def of(self, i: int) -> List[torch.Tensor]:
+        """Sub-group ``i``'s existing tensors (its fp32 master and optimizer state)."""
+        return [t for t in (self.get(i, key) for key in self.store.slices[i]) if t is not None]
+
+    def byte_ranges(self, i: int) -> List[Tuple[int, int]]:
+        """(address, bytes) of sub-group ``i``'s tensors where they are now."""
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.of(i)]
+
+    def owners(self, sub_groups: Iterable[int]) -> Dict[int, int]:
+        """The tensors of ``sub_groups`` (``data_ptr`` where they are now) and the sub-group of each."""
+        return {t.data_ptr(): i for i in sorted(sub_groups) for t in self.of(i)}
 
     def point_at(self, i: int, view: View, drop_grad: bool = False):
         """Rebind each existing tensor of sub-group ``i`` to ``view(key)``; ``drop_grad``: its

@@ -70,7 +70,9 @@ def install(mode):
 def _prepare(mode, orig):
 
     def prepare(i, timer_names):
-        if mode.streams(i) and not mode.bring_in(i):
+        if not mode.streams(i):
+            mode.guard_resident(i)  # updated in place next: a checkpoint copying it finishes first
+        elif not mode.bring_in(i):
             return None  # updated in backward and committed: DeepSpeed's calls for it are skipped
         return orig(i, timer_names)
 

@@ -53,7 +53,8 @@ def build(mode, placement: Placement, early_in_backward: bool):
     mode.checkpoint_patches = PatchRegistry("deepspeed-offload async checkpoint")  # close() takes them off
     if cfg.async_checkpoint:  # with a buffer for its copies aside where attach's node plan had room
         mode.checkpointer = AsyncCheckpointer(mode.engine, mode.store.buffers.values(), mode.checkpoint_patches,
-                                              aside_bytes=placement.aside_budget and mode.store.side_bytes(ALIGN))
+                                              aside_bytes=placement.aside_budget and mode.store.side_bytes(ALIGN),
+                                              owners=lambda: mode.tensors.owners(mode.resident))
     fault_point("patching")
 
 

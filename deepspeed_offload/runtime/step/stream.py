@@ -386,6 +386,11 @@ class StreamMode:
         if self.checkpointer is not None:
             self.checkpointer.guard(None if i is None else self.store.byte_ranges(i, other))
 
+    def guard_resident(self, i: int):
+        """Before the step updates resident sub-group ``i`` in place: a save still copying it finishes first."""
+        if self.checkpointer is not None:
+            self.checkpointer.guard_resident(self.tensors.byte_ranges(i))
+
     def step_stats(self) -> Optional[Dict[str, float]]:
         """The last step that ran: bytes moved each way, sub-groups loaded early (in backward) and in
         the step, seconds the compute stream waited for loads, updating and writing back; None
