@@ -9,7 +9,7 @@ process group and no pinned memory. Then DeepSpeed builds the engine as usual an
 import copy
 import os
 import weakref
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
@@ -96,12 +96,31 @@ def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
         for attr in ("deepspeed_config", "deepscale_config"):
             if hasattr(args, attr):
                 setattr(args, attr, None)
+    bucket = _choose_reduce_bucket(plan, model)
     result = ds_initialize(args=args, config=plan.ds_config, **kwargs)
     if plan.sub_group_size_set_by_us:
         log_dist(f"[deepspeed-offload] zero_optimization.sub_group_size unset: using {plan.sub_group_size} "
                  f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
+    if bucket is not None:
+        log_dist(f"[deepspeed-offload] zero_optimization.reduce_bucket_size unset: using {bucket:,} elements "
+                 "(hidden_size**2, what HF's 'auto' fills in; DeepSpeed's 500,000,000 would make gradients "
+                 "final a bucket at a time and speculated updates start late in backward)", ranks=[0])
     _attach_if_trainable(result[0], plan)
     return result
+
+
+def _choose_reduce_bucket(plan: Plan, model) -> Optional[int]:
+    """Where the ds_config leaves ``zero_optimization.reduce_bucket_size`` out, stream mode may
+    speculate and the model says its ``config.hidden_size`` (a Hugging Face model): hidden_size², as
+    the HF integration's "auto" does, set in ``plan.ds_config`` (ours, not the caller's). Returns the
+    size, or None where it is left to DeepSpeed."""
+    zero = plan.ds_config.get("zero_optimization")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if (plan.mode != "stream" or plan.offload.speculate_memory_gb == 0 or not isinstance(zero, dict)
+            or "reduce_bucket_size" in zero or not isinstance(hidden, int) or hidden <= 0):
+        return None
+    plan.ds_config["zero_optimization"] = dict(zero, reduce_bucket_size=hidden * hidden)
+    return hidden * hidden
 
 
 def _attach_if_trainable(engine, plan: Plan):

@@ -78,6 +78,30 @@ def test_enabled_passes_sub_group_size_and_clears_args(spies, tmp_path):
     assert kwargs["config"]["zero_optimization"]["sub_group_size"] == plan.sub_group_size == 256 * 2**20 // 12
 
 
+def test_an_unset_reduce_bucket_becomes_hidden_size_squared_for_an_hf_model(spies, monkeypatch):
+    """Stream mode with speculation possible, a model whose config says its hidden_size (a Hugging Face
+    model) and no reduce_bucket_size in the ds_config: DeepSpeed gets hidden_size², as HF's "auto" would
+    fill in, and one log line says so; the caller's dict keeps its keys. A size the user set, speculation
+    off, compile mode's block or a model without a hidden_size leave DeepSpeed's default alone."""
+    hf_like = torch.nn.Linear(4, 4)
+    hf_like.config = SimpleNamespace(hidden_size=64)
+    cfg = json.loads(json.dumps(ON))
+    logged = []
+    monkeypatch.setattr(api, "log_dist", lambda message, **kw: logged.append(message))
+    deepspeed_offload.initialize(model=hf_like, config=cfg)
+    (_, kwargs), _ = spies
+    assert kwargs["config"]["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert "reduce_bucket_size" not in cfg["zero_optimization"]  # the caller's dict: untouched
+    assert [m for m in logged if "reduce_bucket_size unset: using 4,096 elements" in m]
+    left = [dict(ON, zero_optimization={"stage": 3, "reduce_bucket_size": 1000}),
+            dict(ON, optimizer_state_offload={"enabled": True, "speculate_memory_gb": 0})]
+    for config, model in [(c, hf_like) for c in left] + [(ON, torch.nn.Linear(4, 4))]:
+        spies.clear()
+        deepspeed_offload.initialize(model=model, config=json.loads(json.dumps(config)))
+        (_, kwargs), _ = spies
+        assert kwargs["config"]["zero_optimization"].get("reduce_bucket_size") in (None, 1000)
+
+
 def test_host_store_layout():
     layout = {0: [("exp_avg", torch.float32, 3), (MASTER, torch.float32, 3), ("exp_avg_sq", torch.float32, 3)],
               2: [(MASTER, torch.float32, 5), ("exp_avg", torch.float32, 5), ("exp_avg_sq", torch.float32, 5),
