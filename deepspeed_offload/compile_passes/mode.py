@@ -31,8 +31,8 @@ compile phases: ``begin_phase`` writes everything back, so DeepCompile profiles 
 pass decides again. Anything on the CPU that reads host state (a checkpoint, ``state_dict``)
 writes the kept sub-groups back first; they come back at the next backward's reloads (or, when
 the reader ran between backward and the step, at the step's start: ``LoadTiming.load_at_step_start``). With
-gradient accumulation, only the boundary micro-batch reloads; offloads happen on the first
-micro-batch, the only one that finds anything to write back.
+gradient accumulation, only the boundary micro-batch reloads; write-backs (``offload_launch``) happen on
+the first micro-batch, the only one that finds anything to write back.
 
 The counters are the cheap proof that the ops ran inside the compiled graphs: reloads are skipped
 while DeepCompile profiles, so a nonzero count means the compiled graph executed them.

@@ -20,7 +20,7 @@ Who moves what, per ``OffloadStateTypeEnum``:
   again.
 DeepSpeed's ``offload_states`` is not called at all: it ends with a ``gc.collect()``, a full collection
 of the trainer's Python heap (0.3 s in a trainer with 600k objects), which frees nothing of ours (every
-device tensor we drop is released with its last reference). Its ``reload_states`` is, for the kinds
+device tensor we drop is freed with its last reference). Its ``reload_states`` is, for the kinds
 not done here.
 
 A kind is in ``optimizer.offloaded_states`` (DeepSpeed's set) while it is off the device, ours

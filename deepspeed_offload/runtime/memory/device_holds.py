@@ -21,7 +21,7 @@ class DeviceHolds:
         self.early_bytes += nbytes
 
     def dropped(self, nbytes: int, last_copy: Optional[object]):
-        """Buffers of ``nbytes`` given back; the allocator holds their blocks until ``last_copy`` ends."""
+        """Buffers of ``nbytes`` dropped; the allocator holds their blocks until ``last_copy`` ends."""
         self.early_bytes -= nbytes
         if last_copy is not None:
             self.in_flight.append((last_copy, nbytes))

@@ -116,7 +116,7 @@ class HostStore:
 
     def unpin(self, sub_groups: Iterable[int]):
         """These sub-groups' state lives on the device from now on (the measured plan made them
-        resident): every slab that holds only released sub-groups is unlocked and its memory given
+        resident): every slab that holds only unpinned sub-groups is unlocked and its memory given
         back to the host. Their regions read as zeros until ``repin``."""
         self.unpinned |= {int(i) for i in sub_groups if i in self._slabs_of}
         before = self.slabs.unpinned_bytes
@@ -140,7 +140,7 @@ class HostStore:
 
     @property
     def pinned_bytes(self) -> int:
-        """The store's bytes locked now: all of it, less the slabs released."""
+        """The store's bytes locked now: all of it, less the slabs unpinned."""
         return self.nbytes - self.slabs.unpinned_bytes
 
     @property

@@ -244,8 +244,8 @@ class ResidencyTable:
         return self.holds.prune()
 
     def unload_all(self) -> List[int]:
-        """Release every sub-group that is loading or loaded but not updated; returns them. (One
-        brought in from UPDATED is refused by ``release``: a step that raised marks it updated first.)"""
+        """Unload every sub-group that is loading or loaded but not updated; returns them. (One
+        brought in from UPDATED is refused by ``unload``: a step that raised marks it updated first.)"""
         out = self.in_phase(Phase.LOADING, Phase.ON_DEVICE)
         for i in out:
             self.unload(i)

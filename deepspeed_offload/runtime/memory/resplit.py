@@ -2,7 +2,7 @@
 
 ``placement.py`` decides how many of the first sub-groups stay on the device (``k``); this moves
 them, between steps, with every write-back landed: sub-groups that stop streaming get device copies
-of their host state and give their host memory back (``HostStore.unpin``), those that start
+of their host state and their regions unpinned (``HostStore.unpin``), those that start
 streaming get theirs locked again (``repin``) and their state written into it. DeepSpeed's
 tensor objects stay the same; only their ``.data`` moves.
 """

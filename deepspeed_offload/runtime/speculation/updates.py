@@ -139,7 +139,7 @@ class Speculation:
 
     def updates_in_backward(self, i: int) -> bool:
         """Sub-group ``i``, loaded early in this backward, will be updated before the step (and its loaded
-        state given back): a member of a speculating backward whose gradient was not reduced again, and
+        state written back): a member of a speculating backward whose gradient was not reduced again, and
         whose optimizer state exists (the first step creates it)."""
         if not self._boundary or i not in self.members or i in self.reduced_again:
             return False
@@ -147,7 +147,7 @@ class Speculation:
 
     def copy_bytes(self, i: int) -> int:
         """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
-        second region), given back when the step commits it (``commit``)."""
+        second region), dropped when the step commits it (``commit``)."""
         if not self._boundary or i not in self.members or self.rollback(i) is Rollback.SECOND_REGION:
             return 0
         return self.mode.table.store_bytes(i)
@@ -285,7 +285,7 @@ class Speculation:
         """Drop sub-group ``i``'s update alone (``why``: counted): its gradient changed after it, the other
         updates stand. Its current region holds the state before (``_roll_back``); the step updates it
         as if it had not speculated, and so will every later step (``reduced_again``). Called where
-        DeepSpeed reduces, maybe on its reduction stream: the cast is released recorded on the side
+        DeepSpeed reduces, maybe on its reduction stream: the cast is freed recorded on the side
         stream (``discard_all``)."""
         spec = self.updated.pop(i)
         self._roll_back(i, spec)
@@ -296,7 +296,7 @@ class Speculation:
     def _roll_back(self, i: int, spec: Speculated):
         """An update rolled back from the device: the copy of the state before it goes back over the
         current host region, after the update's own write-back (the D2H stream keeps the order); its
-        buffers are released to that copy (the table counts them until it ends)."""
+        buffers are freed while that copy reads them (the table counts them until it ends)."""
         if spec.kept is None:
             return  # the current region was never written
         mode = self.mode
@@ -316,7 +316,7 @@ class Speculation:
         them (``_roll_back``).
         The current stream waits for the side stream (a step that raised may have queued commits' copies
         there). Callers outside the step (a writer of host state, ``offload_states``) may run on another
-        stream than the one the casts and the fp32 gradient buffer came from, so they are released
+        stream than the one the casts and the fp32 gradient buffer came from, so they are freed
         recorded on the side stream."""
         self.mode.copies.join_side()
         for i, spec in self.updated.items():

@@ -4,7 +4,7 @@ In the boundary micro-batch's backward, as gradients are reduced and backward fr
 the sub-groups the step will update load ahead of it, as far as ``LoadTiming`` allows without
 raising the iteration's peak: speculation's members first (in the order their gradients became
 final last time, so each arrives about when it can be updated), then the step's order. A backward
-that differs from the measured one gives back what was loaded (``LoadTiming.take_divergence``).
+that differs from the measured one unloads what was loaded (``LoadTiming.take_divergence``).
 Stream mode owns one of these; compile mode places its loads from its graphs instead.
 """
 
@@ -64,7 +64,7 @@ class EarlyLoads:
         """Load the next sub-groups of ``order`` into buffers of their own while the bytes held that way
         (and by speculated updates) stay within ``allowance`` (``LoadTiming.gradient_ready``), and what
         of it outlasts backward within ``LoadTiming.step_allowance``: a sub-group updated in backward
-        gives its loaded state back there, keeping only what its update keeps for the step."""
+        writes its loaded state back there and frees its buffers, keeping only what its update keeps for the step."""
         mode, spec = self.mode, self.mode.speculation
         held = mode.table.held_early() + (spec.held_bytes if spec is not None else 0)
         room, step_room = mode.timing.backward_allowance(), mode.timing.step_allowance()
@@ -88,7 +88,7 @@ class EarlyLoads:
 
     def held_into_step(self) -> int:
         """Device memory that what was loaded early and what the updates keep will still hold when the
-        step begins: the updates' casts and copies, and the loaded sub-groups no update gives back."""
+        step begins: the updates' casts and copies, and the loaded sub-groups no update writes back."""
         mode, spec = self.mode, self.mode.speculation
         own = [i for i in mode.order if mode.table[i].on_device and mode.table[i].slot is None]
         return (spec.held_bytes if spec is not None else 0) + sum(

@@ -34,7 +34,7 @@ The table holds for iterations like the measured one. Each later boundary backwa
 against it: the memory allocated when it begins (more activations: a layer first used now, a longer
 sequence) and, hook by hook, which parameter's gradient arrives (a router that picks other experts, a
 layer unfrozen or first used). On the first difference the backward **diverges**: what was loaded
-early is given back (``take_divergence``, stream mode unloads it), nothing more loads in it, and the
+early is dropped (``take_divergence``, stream mode unloads it), nothing more loads in it, and the
 next iteration is measured again (without early loads) before they resume. (What differs before
 the first hook that shows it, a recompute of the layer that hook is for, can still meet early loads
 made under the old table.) The measured plan (placement.py) also reads each measurement: the
@@ -140,7 +140,7 @@ class LoadTiming:
         self.divergences += 1
 
     def take_divergence(self) -> bool:
-        """Whether this backward just diverged from the measured one (once): the caller gives back what
+        """Whether this backward just diverged from the measured one (once): the caller unloads what
         was loaded early."""
         if self._released:
             return False

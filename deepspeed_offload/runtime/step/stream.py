@@ -80,7 +80,7 @@ class StreamMode:
         self._next_staged = 0  # index in self._streamed of the next one to load
         self._update_start, self._in_step = None, False
         self.lifecycle = StepLifecycle(self)  # the one place a step ends (lifecycle.py)
-        self.unloaded_unused = 0  # sub-groups loaded ahead of a step that did not run, given back
+        self.unloaded_unused = 0  # sub-groups loaded ahead of a step that did not run, unloaded
         self.stats: Optional[StepStats] = None
         self.last_stats: Optional[StepStats] = None
         self.patches, self.checkpointer, self.store = PatchRegistry(), None, None
@@ -230,7 +230,7 @@ class StreamMode:
         return True
 
     def send_out(self, i: int):
-        """After DeepSpeed released sub-group ``i``: written back (unless its update was committed in
+        """After DeepSpeed's ``_release_sub_group(i)``: written back (unless its update was committed in
         backward)."""
         if self.speculation is None or not self.speculation.took(i):
             self._updated(i)
@@ -382,7 +382,7 @@ class StreamMode:
 
     def guard(self, i: Optional[int] = None, other: Optional[bool] = False):
         """Before sub-group ``i``'s host region (``other``: its second one; None: both; ``i`` None: the
-        whole store) is overwritten or released: an asynchronous checkpoint reading it finishes first."""
+        whole store) is overwritten or unpinned: an asynchronous checkpoint reading it finishes first."""
         if self.checkpointer is not None:
             self.checkpointer.guard(None if i is None else self.store.byte_ranges(i, other))
 
