@@ -68,8 +68,10 @@ def test_the_checkpoints_copies_aside_get_a_buffer_where_stores_and_speculation_
     second regions: all of a node's ranks get one, or none of them (each save then judges the host)."""
     roomy = plan_node(figures(2, 12 * GiB, budget_store=12 * GiB, aside=1), 0)  # 24 + 24 + 24 of 93.6
     assert roomy.aside_cap == {0: 12 * GiB, 1: 12 * GiB} and sum(roomy.twins_cap.values()) == 24 * GiB
-    assert "24.00 GiB for the checkpoints' copies aside" in describe_node(
-        roomy, {0: 12 * GiB, 1: 12 * GiB}, roomy.twins_cap, {0: 0, 1: 0})
+    line = describe_node(roomy, {0: 12 * GiB, 1: 12 * GiB}, roomy.twins_cap, {0: 0, 1: 0})
+    assert "24.00 GiB for the checkpoints' copies aside" in line
+    # the second regions are caps (each rank's members take what fits): the node's line says so
+    assert "pin up to 48.00 GiB in all" in line and "speculation's second regions up to 24.00 GiB" in line
     assert plan_node(figures(2, 12 * GiB, budget_store=12 * GiB), 0).aside_cap == {}  # not asked
     tight = plan_node(figures(2, 30 * GiB, budget_store=30 * GiB, aside=1), 0)  # speculation takes what is spare
     assert tight.aside_cap == {} and sum(tight.twins_cap.values()) > 0

@@ -157,12 +157,14 @@ def describe_node(plan: NodePlan, stores: Dict[int, int], twins: Dict[int, int],
     store, twin = sum(stores.values()), sum(twins.values())
     per_rank = ", ".join(f"rank {r}: {format_bytes(stores[r])}" for r in plan.ranks)
     on_device = sum(resident.values())
-    spec = (f"; speculation's second regions {format_bytes(twin)}" if twin else
+    # the second regions' caps: each rank's members take what fits of them (its own line says how much)
+    spec = (f"; speculation's second regions up to {format_bytes(twin)}" if twin else
             "; speculation: no second regions" if speculates else "; speculation off")
     dev = f"; {format_bytes(on_device)} of state kept on the GPUs" if on_device else ""
     aside = sum(min(plan.aside_cap.get(r, 0), stores[r]) for r in plan.ranks)
     dev += f"; {format_bytes(aside)} for the checkpoints' copies aside" if aside else ""
-    return (f"[deepspeed-offload] node {plan.node}: {len(plan.ranks)} rank(s) pin {format_bytes(store + twin)} in all "
+    return (f"[deepspeed-offload] node {plan.node}: {len(plan.ranks)} rank(s) pin {'up to ' if twin else ''}"
+            f"{format_bytes(store + twin)} in all "
             f"(stores {per_rank}{spec}){dev}; the node can give {format_bytes(plan.usable)} "
             f"({plan.memory.describe()})")
 
