@@ -831,6 +831,7 @@ def test_resident_state_is_copied_after_the_save_returns_and_the_step_waits_for_
     ckpt = ck.AsyncCheckpointer(engine, [], owners=lambda: owners)
     ranges = {i: [(t.data_ptr(), 2000)] for i, t in ((0, sg0), (1, sg1))}
     engine.save_checkpoint(str(tmp_path), tag="t")  # returns with both copies still to run
+    assert ckpt.copying_resident()
     whole.fill_(-1.0)
     passed = []
     waiters = [threading.Thread(target=lambda i=i: (ckpt.guard_resident(ranges[i]), passed.append(i)))
@@ -846,6 +847,7 @@ def test_resident_state_is_copied_after_the_save_returns_and_the_step_waits_for_
     Held.gates[1.5].set()
     waiters[1].join(5)
     assert passed == [0, 1] and Held.started == [0.5, 1.5] and ckpt.synchronize_staging(5)
+    assert not ckpt.copying_resident()  # the step no longer works out its sub-groups' ranges
     sg1.fill_(-1.0)
     ckpt.wait()
     saved = torch.load(tmp_path / "t" / "optim.pt", weights_only=False)["state"]

@@ -212,6 +212,12 @@ class AsyncCheckpointer:
                 staged.device_regions.wait(None)
             staged.regions.wait(ranges)
 
+    def copying_resident(self) -> bool:
+        """Whether the last save is still copying resident state to the host (cheap: the step asks
+        before it works out a sub-group's ranges)."""
+        staged = self.staged
+        return self.faults.guard and staged is not None and staged.device_regions.pending()
+
     def guard_resident(self, ranges):
         """Called right before the step updates a resident sub-group in place: its device tensors'
         byte ``ranges``. Waits only while the last save is still copying some of them to the host."""

@@ -48,6 +48,11 @@ class Regions:
         return any(span[2] and (ranges is None or any(span[0] < a + n and a < span[1] for a, n in ranges))
                    for span in self._spans)
 
+    def pending(self) -> bool:
+        """Whether any range is still to be read."""
+        with self._cond:
+            return self._pending(None)
+
     def wait(self, ranges: Optional[Sequence[Tuple[int, int]]] = None, timeout: Optional[float] = None) -> bool:
         """Block until every range of ``ranges`` ((start, bytes); None: all) may be overwritten. False if
         ``timeout`` seconds passed first."""

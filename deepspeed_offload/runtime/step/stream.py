@@ -388,7 +388,7 @@ class StreamMode:
 
     def guard_resident(self, i: int):
         """Before the step updates resident sub-group ``i`` in place: a save still copying it finishes first."""
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and self.checkpointer.copying_resident():
             self.checkpointer.guard_resident(self.tensors.byte_ranges(i))
 
     def step_stats(self) -> Optional[Dict[str, float]]:
