@@ -870,6 +870,58 @@ def test_a_failed_copy_of_the_resident_state_fails_the_save_and_lets_the_step_go
     assert not (tmp_path / "t").exists()
 
 
+class StreamlessGPU:
+    """An accelerator with streams and events that do nothing (the CPU runs each copy at once): the
+    bounce-buffer path of DeviceSnapshot, piece by piece, on the CPU."""
+
+    def __init__(self, pin_fails=False):
+        self.pin_fails, self.pinned, self.events = pin_fails, 0, 0
+
+    def is_synchronized_device(self):
+        return False
+
+    def device_name(self):
+        return "cuda"
+
+    def Stream(self):
+        return SimpleNamespace(wait_event=lambda event: None)
+
+    def Event(self):
+        self.events += 1
+        return SimpleNamespace(record=lambda stream=None: None, synchronize=lambda: None)
+
+    def current_stream(self):
+        return None
+
+    def stream(self, stream):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def pin_memory(self, t):
+        if self.pin_fails:
+            raise RuntimeError("CUDA error: out of memory")
+        self.pinned += 1
+        return t
+
+
+@pytest.mark.parametrize("pin_fails", [False, True], ids=["pinned", "pageable_fallback"])
+def test_the_resident_state_goes_through_two_bounce_buffers_piece_by_piece(pin_fails):
+    """Tensors larger than a bounce buffer go through in pieces, alternating between the two buffers,
+    each tensor's range done once its last piece landed; the copies equal their sources. A bounce
+    buffer that cannot be pinned is pageable (the copies still run on the snapshot's thread)."""
+    from deepspeed_offload.runtime.checkpoint.device_snapshot import DeviceSnapshot
+    acc = StreamlessGPU(pin_fails)
+    snap = DeviceSnapshot(acc=acc, piece_bytes=256)
+    srcs = [torch.randn(1000), torch.arange(7, dtype=torch.bfloat16), torch.randn(64)]  # 16 pieces, 1, 1
+    dsts = [torch.empty_like(t) for t in srcs]
+    regions, future = snap.start(list(zip(dsts, srcs)))
+    future.result(5)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)) and not regions.pending()
+    assert acc.pinned == (0 if pin_fails else 2) and len(snap._bounce) == 2
+    assert acc.events == 1 + 16 + 1 + 1  # the save's mark, then one per piece
+    snap.close()
+
+
 def test_a_buffer_that_cannot_be_reserved_is_done_without(tmp_path, monkeypatch, caplog):
     """The host ran short between attach's judgment and the reservation: a warning, and each save
     copies into fresh memory where the host has it (as without a reservation); forget() lets the

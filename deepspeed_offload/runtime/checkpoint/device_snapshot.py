@@ -20,7 +20,9 @@ from typing import List, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import logger
 
+from ...host_memory import format_bytes
 from .regions import Regions
 
 PIECE = 64 << 20  # bytes of each bounce buffer (two of them, pinned, made at the first save that uses them)
@@ -55,13 +57,21 @@ class DeviceSnapshot:
         if not self.synchronous:
             if self._stream is None:
                 self._stream = self.acc.Stream()
-                self._bounce = [self.acc.pin_memory(torch.empty(self.piece_bytes, dtype=torch.uint8))
-                                for _ in range(2)]
+                self._bounce = [self._bounce_buffer() for _ in range(2)]
             mark = self.acc.Event()
             mark.record(self.acc.current_stream())  # the sources as they are now, at the save
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepspeed-offload-ckpt-d2h")
         return regions, self._pool.submit(self._run, pairs, regions, mark)
+
+    def _bounce_buffer(self) -> torch.Tensor:
+        buf = torch.empty(self.piece_bytes, dtype=torch.uint8)
+        try:
+            return self.acc.pin_memory(buf)
+        except RuntimeError as e:  # pageable: each piece's copy then blocks this thread, not the loop
+            logger.warning(f"[deepspeed-offload] async checkpoint: a {format_bytes(self.piece_bytes)} bounce "
+                           f"buffer could not be pinned ({e}); the resident state is copied through pageable memory")
+            return buf
 
     def _run(self, pairs, regions: Regions, mark):
         try:
