@@ -870,6 +870,35 @@ def test_a_failed_copy_of_the_resident_state_fails_the_save_and_lets_the_step_go
     assert not (tmp_path / "t").exists()
 
 
+def test_deepspeeds_prepare_of_a_resident_sub_group_waits_for_the_save_first():
+    """The hook on ``_prepare_sub_group``: a resident sub-group waits for the save's copy of it before
+    DeepSpeed prepares (then updates) it; a streamed one does not (its host regions have their guard)."""
+    from deepspeed_offload.runtime.step import hooks
+    calls = []
+    mode = SimpleNamespace(streams=lambda i: i == 1, bring_in=lambda i: True,
+                           guard_resident=lambda i=None: calls.append(("wait", i)))
+    prepare = hooks._prepare(mode, lambda i, timer_names: calls.append(("prepare", i)))
+    prepare(0, None)
+    prepare(1, None)
+    assert calls == [("wait", 0), ("prepare", 0), ("prepare", 1)]
+
+
+def test_the_owners_of_resident_state_include_sub_groups_resident_since_attach():
+    """A sub-group kept resident at attach has no slices in the host store: its tensors (master and
+    optimizer state, not a 0-dim step) are still found, and mapped to it."""
+    from deepspeed_offload.runtime.memory.state_tensors import StateTensors
+    masters = [torch.zeros(4), torch.zeros(6)]
+    state = {m: {"exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m), "step": torch.tensor(3.)}
+             for m in masters}
+    opt = SimpleNamespace(fp32_partitioned_groups_flat=masters, optimizer=SimpleNamespace(state=state))
+    tensors = StateTensors(opt, SimpleNamespace(slices={1: {}}), order=[1])  # sub-group 0: resident since attach
+    owners = tensors.owners([0, 1])
+    assert len(owners) == 6 and owners[masters[0].data_ptr()] == 0
+    assert owners[state[masters[1]]["exp_avg"].data_ptr()] == 1
+    assert tensors.byte_ranges(0) == [(t.data_ptr(), t.numel() * 4) for t in (masters[0], state[masters[0]]["exp_avg"],
+                                                                           state[masters[0]]["exp_avg_sq"])]
+
+
 class StreamlessGPU:
     """An accelerator with streams and events that do nothing (the CPU runs each copy at once): the
     bounce-buffer path of DeviceSnapshot, piece by piece, on the CPU."""
@@ -884,7 +913,7 @@ class StreamlessGPU:
         return "cuda"
 
     def Stream(self):
-        return SimpleNamespace(wait_event=lambda event: None)
+        return SimpleNamespace(wait_event=lambda event: None, synchronize=lambda: None)
 
     def Event(self):
         self.events += 1

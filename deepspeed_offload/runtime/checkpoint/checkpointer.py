@@ -220,7 +220,8 @@ class AsyncCheckpointer:
 
     def guard_resident(self, ranges):
         """Called right before the step updates a resident sub-group in place: its device tensors'
-        byte ``ranges``. Waits only while the last save is still copying some of them to the host."""
+        byte ``ranges`` (None: every one, before resident state leaves the device). Waits only while
+        the last save is still copying some of them to the host."""
         staged = self.staged
         if self.faults.guard and staged is not None:
             staged.device_regions.wait(ranges)

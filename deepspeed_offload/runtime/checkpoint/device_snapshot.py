@@ -82,6 +82,8 @@ class DeviceSnapshot:
                 return
             self._through_bounce(pairs, regions, mark)
         except BaseException:
+            if self._stream is not None:
+                self._stream.synchronize()  # no piece still reads a source the caller may now free
             regions.free()  # nothing waits for a snapshot that failed: the save fails in the writer
             raise
 

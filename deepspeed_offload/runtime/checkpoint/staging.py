@@ -247,13 +247,12 @@ class HostStoreStager:
             futures.append(pool.submit(_copy, regions, start, nbytes, src, alias.data))
         return futures
 
-    def _copy_from_device(self) -> Tuple[Optional[Regions], Optional[Future]]:
+    def _copy_from_device(self, owners: Optional[Dict[int, int]]) -> Tuple[Optional[Regions], Optional[Future]]:
         """The device tensors of this save: each gets its host tensor from what the store's copies
         left of the buffer where it fits (memory already faulted in), else memory of its own. The
         resident sub-groups' state (``owners``) is copied in the background in the step's order (the
         step updates it once the save returns, after waiting for it: the regions returned); the
         rest (parameters ZeRO-3 keeps whole, buffers: small, and changed outside the step) now."""
-        owners = self._owners() if self._owners is not None else None
         later = []
         for alias, src in self._from_device:
             dst = self.aside.take(src) if self.aside is not None else None
@@ -306,8 +305,14 @@ class HostStoreStager:
         reserved = self.aside is not None and sum(aligned(n) for _, n in self._views) <= self.aside.free
         fits = (reserved or nbytes <= HostMemory.read().usable) if copy_aside is None else copy_aside
         self._last_copied = bool(nbytes) and fits
+        owners = self._owners() if self._owners is not None and self._from_device else None
         copies = self._copy_aside() if self._last_copied else ()
-        staged = StagedFiles(files, self._regions, copies, *self._copy_from_device())
+        try:
+            device = self._copy_from_device(owners)
+        except BaseException:
+            wait(copies)  # nothing of this save keeps running into the buffer the next save reuses
+            raise
+        staged = StagedFiles(files, self._regions, copies, *device)
         self._reset()
         return staged, scripts, getattr(capture._inner, "zipfile_serialization", True)
 

@@ -229,6 +229,7 @@ class StateOffload:
             self.kept = sorted(set(self.kept) | {i for i in updated if i in mode.timing.kept})
             mode.synchronize_for_checkpoint()
             mode.table.unload_all()  # loaded ahead of a step: the host copy is the current one
+            mode.guard_resident()  # a save still copying resident state holds its device memory until then
             moved += sum(mode.layout.nbytes[i] for i in updated)
             for kind in moves.ours:
                 if store is not None:

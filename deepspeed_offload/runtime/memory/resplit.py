@@ -24,6 +24,8 @@ def resplit(mode, k: int) -> bool:
         mode.tensors.point_at(i, lambda key: mode.store.view(i, key).to(device, copy=True))
     for i in to_device + to_host:  # an asynchronous checkpoint may still be reading their regions
         mode.guard(i, other=None)
+    if to_host:  # ... or copying the resident state that leaves the device (its reference holds the memory)
+        mode.guard_resident()
     mode.store.unpin(to_device)
     mode.store.repin(to_host)
     for i in to_host:

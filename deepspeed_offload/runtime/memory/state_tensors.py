@@ -31,8 +31,10 @@ class StateTensors:
         return self.base.state.get(master, {}).get(key)
 
     def of(self, i: int) -> List[torch.Tensor]:
-        """Sub-group ``i``'s existing tensors (its fp32 master and optimizer state)."""
-        return [t for t in (self.get(i, key) for key in self.store.slices[i]) if t is not None]
+        """Sub-group ``i``'s existing tensors (its fp32 master and optimizer state), streamed or resident
+        (a sub-group resident since attach has no slices in the store: its keys come from the optimizer)."""
+        master = self.opt.fp32_partitioned_groups_flat[i]
+        return [master] + [t for t in self.base.state.get(master, {}).values() if torch.is_tensor(t) and t.dim()]
 
     def byte_ranges(self, i: int) -> List[Tuple[int, int]]:
         """(address, bytes) of sub-group ``i``'s tensors where they are now."""

@@ -386,10 +386,10 @@ class StreamMode:
         if self.checkpointer is not None:
             self.checkpointer.guard(None if i is None else self.store.byte_ranges(i, other))
 
-    def guard_resident(self, i: int):
-        """Before the step updates resident sub-group ``i`` in place: a save still copying it finishes first."""
+    def guard_resident(self, i: Optional[int] = None):
+        """Before resident sub-group ``i`` changes in place (None: any leaves the device): a save copying it ends."""
         if self.checkpointer is not None and self.checkpointer.copying_resident():
-            self.checkpointer.guard_resident(self.tensors.byte_ranges(i))
+            self.checkpointer.guard_resident(None if i is None else self.tensors.byte_ranges(i))
 
     def step_stats(self) -> Optional[Dict[str, float]]:
         """The last step that ran: bytes moved each way, sub-groups loaded early (in backward) and in
