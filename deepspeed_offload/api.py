@@ -15,6 +15,7 @@ import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.utils import log_dist, logger
 
+from .activations import picks_reduce_bucket
 from .config import Plan, validate
 from .ds_config import load_ds_config, resolve_config_source
 from .errors import BLOCK
@@ -110,16 +111,13 @@ def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
 
 
 def _choose_reduce_bucket(plan: Plan, model) -> Optional[int]:
-    """Where the ds_config leaves ``zero_optimization.reduce_bucket_size`` out, stream mode may
-    speculate and the model says its ``config.hidden_size`` (a Hugging Face model): hidden_size², as
-    the HF integration's "auto" does, set in ``plan.ds_config`` (ours, not the caller's). Returns the
-    size, or None where it is left to DeepSpeed."""
-    zero = plan.ds_config.get("zero_optimization")
+    """Where ``activations.picks_reduce_bucket`` says so and the model says its ``config.hidden_size`` (a
+    Hugging Face model): hidden_size², as the HF integration's "auto" does, set in ``plan.ds_config``
+    (ours, not the caller's). Returns the size, or None where it is left to DeepSpeed."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    if (plan.mode != "stream" or plan.offload.speculate_memory_gb == 0 or not isinstance(zero, dict)
-            or "reduce_bucket_size" in zero or not isinstance(hidden, int) or hidden <= 0):
+    if plan.mode != "stream" or not picks_reduce_bucket(plan.ds_config) or not isinstance(hidden, int) or hidden <= 0:
         return None
-    plan.ds_config["zero_optimization"] = dict(zero, reduce_bucket_size=hidden * hidden)
+    plan.ds_config["zero_optimization"] = dict(plan.ds_config["zero_optimization"], reduce_bucket_size=hidden * hidden)
     return hidden * hidden
 
 

@@ -82,10 +82,12 @@ def test_an_unset_reduce_bucket_becomes_hidden_size_squared_for_an_hf_model(spie
     """Stream mode with speculation possible, a model whose config says its hidden_size (a Hugging Face
     model) and no reduce_bucket_size in the ds_config: DeepSpeed gets hidden_size², as HF's "auto" would
     fill in, and one log line says so; the caller's dict keeps its keys. A size the user set, speculation
-    off, compile mode's block or a model without a hidden_size leave DeepSpeed's default alone."""
+    off (or impossible: overlap off, fp32 parameters) or a model without a hidden_size leave DeepSpeed's
+    default alone."""
     hf_like = torch.nn.Linear(4, 4)
     hf_like.config = SimpleNamespace(hidden_size=64)
-    cfg = json.loads(json.dumps(ON))
+    bf16 = dict(ON, bf16={"enabled": True})
+    cfg = json.loads(json.dumps(bf16))
     logged = []
     monkeypatch.setattr(api, "log_dist", lambda message, **kw: logged.append(message))
     deepspeed_offload.initialize(model=hf_like, config=cfg)
@@ -93,9 +95,11 @@ def test_an_unset_reduce_bucket_becomes_hidden_size_squared_for_an_hf_model(spie
     assert kwargs["config"]["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     assert "reduce_bucket_size" not in cfg["zero_optimization"]  # the caller's dict: untouched
     assert [m for m in logged if "reduce_bucket_size unset: using 4,096 elements" in m]
-    left = [dict(ON, zero_optimization={"stage": 3, "reduce_bucket_size": 1000}),
-            dict(ON, optimizer_state_offload={"enabled": True, "speculate_memory_gb": 0})]
-    for config, model in [(c, hf_like) for c in left] + [(ON, torch.nn.Linear(4, 4))]:
+    left = [dict(bf16, zero_optimization={"stage": 3, "reduce_bucket_size": 1000}),
+            dict(bf16, optimizer_state_offload={"enabled": True, "speculate_memory_gb": 0}),
+            dict(bf16, optimizer_state_offload={"enabled": True, "overlap": False}),
+            ON]  # fp32 parameters: speculation does not run
+    for config, model in [(c, hf_like) for c in left] + [(bf16, torch.nn.Linear(4, 4))]:
         spies.clear()
         deepspeed_offload.initialize(model=model, config=json.loads(json.dumps(config)))
         (_, kwargs), _ = spies
