@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import BLOCK, ConfigError, pydantic_error
+from .errors import ConfigError, pydantic_error
 from .estimate import STATE_BYTES_PER_PARAM
 
 GiB = 2**30
@@ -221,28 +221,13 @@ def dtype_of(ds_config: Optional[Dict[str, Any]]) -> str:
 
 
 def reduce_bucket_of(ds_config: Optional[Dict[str, Any]], hidden_size: int) -> int:
-    """``zero_optimization.reduce_bucket_size``: hidden_size² for "auto" (what the HF Trainer fills in)
-    and where ``initialize`` picks it (``picks_reduce_bucket``), else DeepSpeed's default when absent."""
+    """``zero_optimization.reduce_bucket_size``: DeepSpeed's default when absent, hidden_size² for
+    "auto" (what the HF Trainer fills in)."""
     zero = (ds_config or {}).get("zero_optimization") or {}
     value = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
-    if value == "auto" or (value is None and picks_reduce_bucket(ds_config)):
+    if value == "auto":
         return hidden_size * hidden_size
     return int(value) if isinstance(value, (int, float)) and value > 0 else DEFAULT_REDUCE_BUCKET
-
-
-def picks_reduce_bucket(ds_config: Optional[Dict[str, Any]]) -> bool:
-    """Whether ``initialize`` sets an absent ``zero_optimization.reduce_bucket_size`` (to hidden_size²,
-    for a model that says its ``config.hidden_size``): the block on in stream mode, where speculation
-    can run (``overlap`` on, ``speculate_memory_gb`` not 0, 16-bit parameters). Its updates start once
-    a sub-group's gradients are final, and DeepSpeed's 5e8-element bucket makes them final late."""
-    block = (ds_config or {}).get(BLOCK)
-    zero = (ds_config or {}).get("zero_optimization")
-    if not isinstance(block, dict) or block.get("enabled") is not True or not isinstance(zero, dict):
-        return False
-    compiled = ((ds_config.get("compile") or {}).get("deepcompile") is True)
-    mode = block.get("mode") or ("compile" if compiled else "stream")
-    return (mode == "stream" and "reduce_bucket_size" not in zero and block.get("overlap", True) is not False
-            and block.get("speculate_memory_gb") != 0 and dtype_of(ds_config) in ("bf16", "fp16"))
 
 
 # ------------------------------------------------------------------------------------------ calibration

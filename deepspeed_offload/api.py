@@ -9,13 +9,12 @@ process group and no pinned memory. Then DeepSpeed builds the engine as usual an
 import copy
 import os
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.utils import log_dist, logger
 
-from .activations import picks_reduce_bucket
 from .config import Plan, validate
 from .ds_config import load_ds_config, resolve_config_source
 from .errors import BLOCK
@@ -97,8 +96,9 @@ def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
         for attr in ("deepspeed_config", "deepscale_config"):
             if hasattr(args, attr):
                 setattr(args, attr, None)
-    bucket = _choose_reduce_bucket(plan, model)
-    result = ds_initialize(args=args, config=plan.ds_config, **kwargs)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)  # a Hugging Face model says it
+    bucket = plan.reduce_bucket_for(hidden)
+    result = ds_initialize(args=args, config=plan.with_reduce_bucket(hidden), **kwargs)
     if plan.sub_group_size_set_by_us:
         log_dist(f"[deepspeed-offload] zero_optimization.sub_group_size unset: using {plan.sub_group_size} "
                  f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
@@ -108,17 +108,6 @@ def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
                  "final a bucket at a time and speculated updates start late in backward)", ranks=[0])
     _attach_if_trainable(result[0], plan)
     return result
-
-
-def _choose_reduce_bucket(plan: Plan, model) -> Optional[int]:
-    """Where ``activations.picks_reduce_bucket`` says so and the model says its ``config.hidden_size`` (a
-    Hugging Face model): hidden_size², as the HF integration's "auto" does, set in ``plan.ds_config``
-    (ours, not the caller's). Returns the size, or None where it is left to DeepSpeed."""
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    if plan.mode != "stream" or not picks_reduce_bucket(plan.ds_config) or not isinstance(hidden, int) or hidden <= 0:
-        return None
-    plan.ds_config["zero_optimization"] = dict(plan.ds_config["zero_optimization"], reduce_bucket_size=hidden * hidden)
-    return hidden * hidden
 
 
 def _attach_if_trainable(engine, plan: Plan):

@@ -141,7 +141,7 @@ def cmd_estimate(ns) -> int:
     answer = None
     try:
         sub_group_mb, budget_gb, speculate_gb = 256, None, 0.0  # the block's defaults (speculation: not sized here)
-        ds_config = None
+        ds_config, plan = None, None
         if ns.config:
             ds_config = load_ds_config(ns.config)
             plan = validate(ds_config)
@@ -149,6 +149,8 @@ def cmd_estimate(ns) -> int:
                 sub_group_mb, budget_gb = plan.offload.sub_group_mb, plan.offload.memory_budget_gb
                 speculate_gb = plan.offload.speculate_memory_gb
         shape = shape_from_args(ns)  # (and --params, --largest-param from it where not given)
+        if plan is not None and shape is not None:  # the reduce bucket initialize would pick for this model
+            ds_config = plan.with_reduce_bucket(shape.hidden_size)
         bandwidth, measured = ns.bandwidth, False
         if bandwidth is None:
             from .bandwidth import measure_bandwidth

@@ -16,6 +16,7 @@ from deepspeed.utils import logger
 from packaging import version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .activations import dtype_of
 from .compat import compile_mode_refusal, deepspeed_release
 from .ds_config import get_path, load_ds_config, resolve_config_source
 from .errors import BLOCK, ConfigError, pydantic_error
@@ -82,6 +83,27 @@ class Plan(BaseModel):
     ds_config: Dict[str, Any]
     sub_group_size: int
     sub_group_size_set_by_us: bool
+
+    def reduce_bucket_for(self, hidden_size) -> Optional[int]:
+        """The ``zero_optimization.reduce_bucket_size`` that ``initialize`` sets where the ds_config
+        leaves it out, for a model ``hidden_size`` wide (None: unknown): hidden_size², what HF's "auto"
+        fills in, in stream mode where speculation can run (``overlap`` on, ``speculate_memory_gb`` not
+        0, 16-bit parameters): its updates start once a sub-group's gradients are final, and DeepSpeed's
+        5e8-element bucket makes them final late. None: DeepSpeed's own."""
+        zero = self.ds_config.get("zero_optimization")
+        if (self.mode != "stream" or not self.offload.overlap or self.offload.speculate_memory_gb == 0
+                or not isinstance(zero, dict) or "reduce_bucket_size" in zero
+                or dtype_of(self.ds_config) == "fp32" or not isinstance(hidden_size, int) or hidden_size <= 0):
+            return None
+        return hidden_size * hidden_size
+
+    def with_reduce_bucket(self, hidden_size) -> Dict[str, Any]:
+        """``ds_config`` with the bucket ``reduce_bucket_for`` picks (itself where it picks none)."""
+        bucket = self.reduce_bucket_for(hidden_size)
+        if bucket is None:
+            return self.ds_config
+        return dict(self.ds_config, zero_optimization=dict(self.ds_config["zero_optimization"],
+                                                             reduce_bucket_size=bucket))
 
 
 # ---------------------------------------------------------------------------------------------

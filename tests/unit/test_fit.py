@@ -118,6 +118,22 @@ def test_the_shape_from_flags_and_the_batch_from_the_ds_config(capsys, tmp_path)
     assert fit_["iteration"]["peak_reserved"] / GiB == pytest.approx(58.04, rel=0.10)
 
 
+def test_the_fit_answer_counts_the_reduce_bucket_initialize_picks(capsys, tmp_path):
+    """Without reduce_bucket_size, stream mode with speculation possible gets hidden_size² from
+    initialize (Plan.reduce_bucket_for): the answer counts that bucket, not DeepSpeed's 5e8 elements,
+    which the same config with the size written out pays for (in bf16, about 0.9 GiB more)."""
+    base = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+            "optimizer_state_offload": {"enabled": True}}
+    peaks = []
+    for zero in ({"stage": 3}, {"stage": 3, "reduce_bucket_size": 500_000_000}):
+        cfg = tmp_path / "ds.json"
+        cfg.write_text(json.dumps(dict(base, zero_optimization=zero)))
+        fit_ = answer(capsys, "--model-config", config_of(tmp_path, "1.1B"), "--seq", "2048", "--config", str(cfg),
+                      "--bandwidth", "50", *H200)
+        peaks.append(fit_["iteration"]["peak_allocated"])
+    assert 0.5 * GiB < peaks[1] - peaks[0] < 1.5 * GiB, [p / GiB for p in peaks]
+
+
 @pytest.mark.parametrize("drop,extra,flag", [
     ("--seq", [], "--seq"),
     ("--batch", [], "--batch"),

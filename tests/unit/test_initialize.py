@@ -95,6 +95,7 @@ def test_an_unset_reduce_bucket_becomes_hidden_size_squared_for_an_hf_model(spie
     assert kwargs["config"]["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     assert "reduce_bucket_size" not in cfg["zero_optimization"]  # the caller's dict: untouched
     assert [m for m in logged if "reduce_bucket_size unset: using 4,096 elements" in m]
+    assert cfgmod.validate(cfg).reduce_bucket_for(64) == 4096 and cfgmod.validate(cfg).reduce_bucket_for(None) is None
     left = [dict(bf16, zero_optimization={"stage": 3, "reduce_bucket_size": 1000}),
             dict(bf16, optimizer_state_offload={"enabled": True, "speculate_memory_gb": 0}),
             dict(bf16, optimizer_state_offload={"enabled": True, "overlap": False}),
