@@ -10,16 +10,19 @@ from typing import List, Optional, Sequence, Tuple
 
 
 class Regions:
-    """The host-store byte ranges a save reads, and how much of each is still to be copied aside or
-    written: a range may be overwritten once that is none. Thread-safe; ``wait`` blocks the caller."""
+    """The byte ranges a save reads (of the host store, or of the device), and how much of each is
+    still to be copied or written: a range may be overwritten once that is none. Thread-safe; ``wait``
+    blocks the caller."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self._spans: List[List[int]] = []  # [start, end, bytes still to copy or write]
+        self._open = 0  # spans with bytes still to copy or write
 
     def add(self, start: int, nbytes: int):
         with self._cond:
             self._spans.append([start, start + nbytes, nbytes])
+            self._open += nbytes > 0
 
     def done(self, start: int, nbytes: int):
         """``nbytes`` from ``start`` were copied aside or reached their file."""
@@ -29,6 +32,7 @@ class Regions:
                 overlap = min(end, span[1]) - max(start, span[0])
                 if overlap > 0 and span[2]:
                     span[2] = max(0, span[2] - overlap)
+                    self._open -= not span[2]
             self._cond.notify_all()
 
     @property
@@ -42,16 +46,16 @@ class Regions:
         with self._cond:
             for span in self._spans:
                 span[2] = 0
+            self._open = 0
             self._cond.notify_all()
 
     def _pending(self, ranges) -> bool:
-        return any(span[2] and (ranges is None or any(span[0] < a + n and a < span[1] for a, n in ranges))
-                   for span in self._spans)
+        return self._open > 0 and (ranges is None or any(
+            span[2] and any(span[0] < a + n and a < span[1] for a, n in ranges) for span in self._spans))
 
     def pending(self) -> bool:
-        """Whether any range is still to be read."""
-        with self._cond:
-            return self._pending(None)
+        """Whether any range is still to be read (no scan: the step asks it for every resident sub-group)."""
+        return self._open > 0
 
     def wait(self, ranges: Optional[Sequence[Tuple[int, int]]] = None, timeout: Optional[float] = None) -> bool:
         """Block until every range of ``ranges`` ((start, bytes); None: all) may be overwritten. False if

@@ -166,15 +166,14 @@ class StagedFiles:
 class HostStoreStager:
     """Stages saves of one engine whose host store is ``host_buffers``."""
 
-    def __init__(self, host_buffers, aside_bytes: int = 0, owners: Optional[Callable[[], Dict[int, int]]] = None,
-                 device_snapshot: Optional[DeviceSnapshot] = None):
+    def __init__(self, host_buffers, aside_bytes: int = 0, owners: Optional[Callable[[], Dict[int, int]]] = None):
         """``aside_bytes``: host memory to reserve now for the saves' snapshots (``AsideBuffer``; 0:
         none, each save that copies aside allocates its own). ``owners``: called at each save, the
         resident state's device tensors (``data_ptr``) and the sub-group each belongs to; those are
         copied in the background, in the step's order (without ``owners``: every device tensor)."""
         self._host_storages = {b.untyped_storage().data_ptr() for b in host_buffers}
         self._owners = owners
-        self._device = device_snapshot or DeviceSnapshot()
+        self._device = DeviceSnapshot()
         self._pool = None  # the copy threads, made at the first save that copies aside (or here)
         self.aside = None
         if aside_bytes:
@@ -258,12 +257,13 @@ class HostStoreStager:
             dst = self.aside.take(src) if self.aside is not None else None
             alias.data = dst if dst is not None else torch.empty(src.shape, dtype=src.dtype)
             if owners is None or src.data_ptr() in owners:
-                later.append((owners[src.data_ptr()] if owners else 0, len(later), alias.data, src))
+                later.append((owners[src.data_ptr()] if owners else 0, alias.data, src))
             else:
                 alias.data.copy_(src)
         if not later:
             return None, None
-        return self._device.start([(dst, src) for _, _, dst, src in sorted(later, key=lambda x: x[:2])])
+        later.sort(key=lambda x: x[0])  # stable: in the state dict's order within a sub-group
+        return self._device.start([(dst, src) for _, dst, src in later])
 
     @property
     def aside_bytes(self) -> int:
