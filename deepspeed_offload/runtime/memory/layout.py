@@ -135,13 +135,6 @@ def probe_layout(opt) -> Probe:
                  existing=[existing(i) for i in range(n)])
 
 
-def compute_layout(opt, budget_bytes: int) -> Layout:
-    """The layout of ZeRO-3 optimizer ``opt``'s sub-groups, keeping the first ones resident while
-    their state fits ``budget_bytes``."""
-    probe = probe_layout(opt)
-    return probe.split(probe.fitting(budget_bytes))
-
-
 def fitting_prefix(items: Iterable[int], nbytes: Callable[[int], int], budget: int) -> List[int]:
     """The longest prefix of ``items`` whose bytes together fit in ``budget``: what stays resident,
     what compile mode keeps on the device, which sub-groups speculate."""
