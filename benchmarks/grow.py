@@ -97,7 +97,8 @@ def main():
             row.update(resident=len(handle.resident), streamed=len(handle.order),
                        **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early", "loaded_in_step",
                                                    "h2d_wait_s", "update_s", "step_s")},
-                       divergences=handle.timing.divergences, measurements=handle.timing.measurements)
+                       divergences=handle.timing.divergences, measurements=handle.timing.measurements,
+                       pinned_gib=handle.store.pinned_bytes / 2**30)
         rows.append(row)
         print(f"[grow] {json.dumps(row)}", flush=True)
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,

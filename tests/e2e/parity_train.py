@@ -827,6 +827,7 @@ def train_with(spec):
         result["refusals"] = refusals_while_offloaded(engine, spec, device, dtype)
     if handle is not None:
         result["handle"] = {"order": handle.order, "resident": handle.resident, "steps": handle.steps,
+                            "released": sorted(handle.store.unpinned), "unpinned_bytes": handle.store.slabs.unpinned_bytes,
                             "stats": handle.step_stats(), "keys": sorted(handle.store.slices[min(handle.store.slices)]),
                             "counters": handle.compile.counters if handle.compile is not None else None,
                             "unloaded_unused": getattr(handle, "unloaded_unused", None),

@@ -286,10 +286,12 @@ def test_parity_two_ranks(two_rank_runs, case):
         for name in ("overlap", "deferred"):
             placed = results[name]["placed"]
             assert [p[0] for p in placed] == [3, 1], placed
-            # the resident sub-groups' host memory went back to the host, and came back for those
-            # that stream again (one slab a sub-group here: slab_bytes)
-            for _, _, released, unpinned_bytes, resident in placed:
-                assert released == sorted(resident) and unpinned_bytes > 0, placed
+            # the resident sub-groups' host memory goes back to the host over the steps after a move
+            # (arrival.py), and comes back for those that stream again (one slab a sub-group: slab_bytes)
+            for _, _, released, _, resident in placed:
+                assert set(released) <= set(resident), placed
+            handle = results[name]["handle"]
+            assert handle["released"] == sorted(handle["resident"]) and handle["unpinned_bytes"] > 0, handle
             assert results[name]["handle"]["speculation"]["committed"] > 0, name  # the defaults speculate
 
 

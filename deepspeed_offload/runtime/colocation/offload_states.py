@@ -202,6 +202,8 @@ class StateOffload:
                   if k not in opt.offloaded_states]
         moves = _Moves(wanted=wanted, ours=[k for k in OURS if k in wanted], pin_memory=bool(pin_memory))
         try:
+            if moves.ours:  # what the plan made resident gives its host memory back first (arrival.py)
+                mode.arrival.settle()
             if moves.ours and self._resident_keys(moves.ours):
                 moves.store = self._resident_store(pin_memory, moves.made)
             if LP in wanted:

@@ -23,11 +23,11 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import log_dist, logger
+from deepspeed.utils import logger
 
 from ...compat import pin_empty
 from ...errors import ConfigError
-from ...host_memory import BLOCK, HostPlan, check_host_plan, format_bytes, gpu_numa_node, local_ranks
+from ...host_memory import BLOCK, HostPlan, check_host_plan, gpu_numa_node, local_ranks
 from . import pinned
 
 MASTER = "__master__"
@@ -116,17 +116,13 @@ class HostStore:
 
     def unpin(self, sub_groups: Iterable[int]):
         """These sub-groups' state lives on the device from now on (the measured plan made them
-        resident): every slab that holds only unpinned sub-groups is unlocked and its memory given
-        back to the host. Their regions read as zeros until ``repin``."""
-        self.unpinned |= {int(i) for i in sub_groups if i in self._slabs_of}
-        before = self.slabs.unpinned_bytes
-        for k, members in enumerate(self._slab_members):
-            if members and members <= self.unpinned:
+        resident): every slab of theirs that holds only unpinned sub-groups is unlocked and its memory
+        given back to the host. Their regions read as zeros until ``repin``."""
+        new = {int(i) for i in sub_groups if i in self._slabs_of}
+        self.unpinned |= new
+        for k in sorted({k for i in new for k in self._slabs_of[i]}):
+            if self._slab_members[k] <= self.unpinned:
                 self.slabs.unpin(k)
-        if self.slabs.unpinned_bytes != before:
-            log_dist(f"[deepspeed-offload] host store: {format_bytes(self.pinned_bytes)} locked, "
-                     f"{format_bytes(self.slabs.unpinned_bytes)} given back to the host (its sub-groups are "
-                     "resident)", ranks=[0])
 
     def repin(self, sub_groups: Iterable[int]):
         """These sub-groups stream again: their slabs are locked (memory held again) before their

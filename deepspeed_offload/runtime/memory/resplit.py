@@ -2,8 +2,8 @@
 
 ``placement.py`` decides how many of the first sub-groups stay on the device (``k``); this moves
 them, between steps, with every write-back landed: sub-groups that stop streaming get device copies
-of their host state and their regions unpinned (``HostStore.unpin``), those that start
-streaming get theirs locked again (``repin``) and their state written into it. DeepSpeed's
+of their host state, queued behind the step and unpinned over the next steps (``arrival.py``), those
+that start streaming get theirs locked again (``repin``) and their state written into it. DeepSpeed's
 tensor objects stay the same; only their ``.data`` moves.
 """
 
@@ -15,23 +15,20 @@ def resplit(mode, k: int) -> bool:
     if new.resident == old.resident:
         return False
     mode.discard_speculation("placement changed")
-    mode.synchronize_for_checkpoint()
+    mode.synchronize_for_checkpoint()  # (a switch still copying lands too: arrival.wait)
     mode.table.unload_all()
-    device = mode.acc.current_device_name()
     to_device = [i for i in new.resident if i in old.order]
     to_host = [i for i in old.resident if i in new.order]
-    for i in to_device:
-        mode.tensors.point_at(i, lambda key: mode.store.view(i, key).to(device, copy=True))
-    for i in to_device + to_host:  # an asynchronous checkpoint may still be reading their regions
+    for i in to_host:  # an asynchronous checkpoint may still be reading their regions
         mode.guard(i, other=None)
     if to_host:  # ... or copying the resident state that leaves the device (its reference holds the memory)
         mode.guard_resident()
-    mode.store.unpin(to_device)
     mode.store.repin(to_host)
     for i in to_host:
         mode.tensors.move_into(i, lambda key: mode.store.view(i, key))
     moved = mode.probe.resident_bytes(len(new.resident)) - mode.probe.resident_bytes(len(old.resident))
     mode.layout, mode.order, mode.resident, mode.slot_bytes = new, new.order, new.resident, new.slot_bytes
+    mode.arrival.start(to_device)  # after the bookkeeping: the copies are queued last, behind the step
     mode.table.set_offloaded(new.order, new.slot_numel)
     mode.tensors.order = new.order
     mode.timing.slot_bytes = new.slot_bytes

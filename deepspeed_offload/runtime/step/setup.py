@@ -15,6 +15,7 @@ from ...host_memory import format_bytes
 from ..attach import Placement, fault_point
 from ..checkpoint import ALIGN, AsyncCheckpointer
 from ..colocation.offload_states import StateOffload
+from ..memory.arrival import Arrival
 from ..memory.host_store import HostStore
 from ..memory.iteration_memory import DeviceMemory
 from ..memory.placement import MeasuredPlan, device_limit, margin_bytes
@@ -35,6 +36,7 @@ def build(mode, placement: Placement, early_in_backward: bool):
     fault_point("pinning")
     mode.table = ResidencyTable(mode.store, mode.copies, mode.order, mode.layout.slot_numel)
     mode.memory = DeviceMemory(mode.acc)
+    mode.arrival = Arrival(mode)  # sub-groups the measured plan makes resident, on their way (resplit.py)
     mode.timing = LoadTiming(mode.memory, mode.copies.synchronous, mode.slot_bytes,
                              early_in_backward=cfg.overlap and early_in_backward, prefetch=cfg.prefetch,
                              early_cap=None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30))

@@ -30,7 +30,7 @@ between to DeepSpeed, so the update is DeepSpeed's own, bit for bit. One iterati
                 ``_post_step``) the CPU waits for every write-back: between steps the device holds
                 none of the offloaded state
     after:      ``step_applied`` and ``between_steps`` (``StepLifecycle.close``, once per step): the
-                statistics, and the measured plan's moves (``_place``)
+                statistics, the measured plan's moves (``resplit``, ``arrival.py``)
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first sub-groups into the
 slots. DeepSpeed's tensor objects never change; only their ``.data`` moves. Nothing in the loop
@@ -189,14 +189,13 @@ class StreamMode:
     # ------------------------------------------------------------------ the streamed step
 
     def step_entered(self):
-        """DeepSpeed's ``step()`` begins. Before it asks for the first sub-group it computes the
-        gradient norm and waits for it on the CPU; the first sub-groups the step streams load into
-        the slots now (as many as they take), beside that work, where ``LoadTiming.step_begins`` allows. With updates from
-        backward the stream order depends on the norm (committed, they leave it; discarded, they
-        stream): only the sub-groups first in both orders load now. Where backward prefetched into
-        the slots already (compile mode may since keep what it put there), they stay as they are."""
+        """DeepSpeed's ``step()`` begins; before its first sub-group it computes the gradient norm and
+        waits for it on the CPU. Meanwhile the first sub-groups the step streams load into the slots,
+        where ``LoadTiming.step_begins`` allows: those first both if backward's updates are committed
+        and if not (the order depends on the norm). What backward put in the slots stays there."""
         if self.stats is None:
             self.stats = StepStats(self.copies)  # every step has its figures, offloaded sub-groups or not
+        self.arrival.before_step()  # state the measured plan just made resident: its copies first
         if self._in_step or not self.timing.step_begins() or self.table.in_slots():
             return
         updated = self.speculation.updated if self.speculation is not None else {}
@@ -353,12 +352,12 @@ class StreamMode:
     # ------------------------------------------------------------------ between steps
 
     def between_steps(self, step: Step):
-        """After a step DeepSpeed applied (``StepLifecycle.close``): the measured plan may change what
-        stays resident (``_place``); copy events that landed are forgotten."""
+        """After an applied step: the measured plan's moves; copy events that landed forgotten."""
         if self.plan is not None:
             k = self.plan.between_steps(self, step)
             if k is not None:
                 resplit(self, k)
+        self.arrival.between_steps(step.iteration_s)  # what it made resident: unpinned, a little a step
         self.forward_level = None
         self.table.prune_in_flight()
 
@@ -375,6 +374,7 @@ class StreamMode:
         block until every write-back has landed."""
         self.offload_for_forward()
         self.table.drain()
+        self.arrival.wait()  # (state the measured plan made resident: its copies to the device)
 
     def discard_speculation(self, why: str):
         if self.speculation is not None:

@@ -1,0 +1,126 @@
+"""Sub-groups the measured plan made resident, while their state travels to the device.
+
+A switch to resident (``resplit.py``) moves many sub-groups at once (75 GiB on a 7B, the first time
+the plan measures). Copied and unpinned inside the step that decided it, that costs the step seconds
+(the copies, then ``cudaHostUnregister`` and ``MADV_DONTNEED`` of every slab). ``Arrival`` takes it out
+of the step; a switch goes through these phases::
+
+    IDLE ──start──▶ COPYING ──landed──▶ UNPINNING ──(every slab unpinned)──▶ IDLE
+
+- ``start``: device tensors for the sub-groups, DeepSpeed's tensors pointed at them, their state copied
+  on the H2D stream behind the work the compute stream has queued: the next forward runs while it lands;
+- ``before_step``: DeepSpeed's step is about to read and update that state: the compute stream waits
+  for the copies (on the device, the CPU goes on); ``wait``: the CPU is about to read or move state
+  (``synchronize_for_checkpoint``): it waits for them;
+- ``between_steps``: once the copies landed, the sub-groups still resident have their host regions
+  unpinned (``HostStore.unpin``), for at most ``UNPIN_SHARE`` of the last iteration's time per step
+  (one sub-group at least): the store's memory goes back to the host over the next steps;
+- ``settle``: all of that now (before something needs the host memory: ``offload_states()``).
+
+A sub-group that goes back to the host before its region was unpinned needs nothing: its slabs are
+still locked.
+"""
+
+import enum
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from deepspeed.utils import log_dist
+
+from ...host_memory import format_bytes
+
+# What unpinning may take of each step, as a share of the last iteration's time.
+UNPIN_SHARE = 0.02
+
+
+class ArrivalPhase(enum.Enum):
+    IDLE = "idle"  # nothing in flight, nothing left to unpin
+    COPYING = "copying"  # the state is on its way to the device
+    UNPINNING = "unpinning"  # landed; host regions still locked, unpinned between steps
+
+
+class Arrival:
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.event = None  # the H2D stream's event after the last switch's copies (None: landed)
+        self.to_unpin: List[int] = []  # sub-groups made resident whose host regions are still locked
+        self.copied_bytes = 0  # the last switch's
+        self.unpin_s = 0.0  # seconds spent unpinning since the last switch
+        self.unpin_steps = 0  # ... over this many steps
+
+    @property
+    def phase(self) -> ArrivalPhase:
+        if self.event is not None:
+            return ArrivalPhase.COPYING
+        return ArrivalPhase.UNPINNING if self.to_unpin else ArrivalPhase.IDLE
+
+    def start(self, sub_groups: List[int]):
+        """Sub-groups ``sub_groups`` become resident: device tensors for their state, DeepSpeed's tensors
+        pointed at them, the copies queued on the H2D stream (after the compute stream's queued work:
+        the allocator may hand out blocks it still reads)."""
+        mode = self.mode
+        device = mode.acc.current_device_name()
+        dst: Dict[Tuple[int, str], torch.Tensor] = {}
+        src: Dict[Tuple[int, str], torch.Tensor] = {}
+
+        def device_tensor(i: int, key: str) -> torch.Tensor:
+            host = mode.store.view(i, key)
+            dst[i, key] = torch.empty(host.shape, dtype=host.dtype, device=device)
+            src[i, key] = host
+            return dst[i, key]
+
+        for i in sub_groups:
+            mode.tensors.point_at(i, lambda key, i=i: device_tensor(i, key))
+        if dst:
+            flat = lambda tensors: {k: t.view(-1) for k, t in tensors.items()}
+            self.event, _ = mode.copies.h2d(flat(dst), flat(src), [mode.copies.mark()])
+        self.copied_bytes = sum(t.numel() * t.element_size() for t in dst.values())
+        self.to_unpin += [i for i in sub_groups if i not in self.to_unpin]
+        self.unpin_s, self.unpin_steps = 0.0, 0
+
+    def before_step(self):
+        """DeepSpeed's step begins: the compute stream waits for the switch's copies (a no-op once landed)."""
+        if self.event is not None:
+            self.mode.copies.compute_waits(self.event)
+
+    def wait(self):
+        """The CPU is about to read or move state: the switch's copies land first."""
+        if self.event is not None:
+            self.mode.copies.wait_host(self.event)
+            self.event = None
+
+    def between_steps(self, iteration_s: Optional[float]):
+        """After an applied step: once the copies landed, unpin for at most ``UNPIN_SHARE`` of
+        ``iteration_s`` (at least one sub-group)."""
+        if self.event is not None:
+            if not self.mode.copies.done(self.event):
+                return  # still copying: the regions are read
+            self.event = None
+        self._unpin(UNPIN_SHARE * (iteration_s or 0.0))
+
+    def settle(self):
+        """Everything now: the copies landed, every region of a resident sub-group unpinned."""
+        self.wait()
+        self._unpin(float("inf"))
+
+    def _unpin(self, budget_s: float):
+        if not self.to_unpin:
+            return
+        mode, started = self.mode, time.perf_counter()
+        resident = set(mode.resident)
+        while self.to_unpin:
+            i = self.to_unpin.pop(0)
+            if i in resident:  # (one that went back to the host meanwhile keeps its locked regions)
+                mode.guard(i, other=None)  # an asynchronous checkpoint may still be reading them
+                mode.store.unpin([i])
+            if time.perf_counter() - started >= budget_s:
+                break
+        self.unpin_s += time.perf_counter() - started
+        self.unpin_steps += 1
+        if not self.to_unpin:
+            log_dist(f"[deepspeed-offload] host store: {format_bytes(mode.store.pinned_bytes)} locked, "
+                     f"{format_bytes(mode.store.slabs.unpinned_bytes)} given back to the host (its sub-groups are "
+                     f"resident; {format_bytes(self.copied_bytes)} copied to the device behind the step that decided "
+                     f"it, the regions unpinned in {self.unpin_s:.2f} s over {self.unpin_steps} steps)", ranks=[0])

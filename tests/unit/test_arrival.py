@@ -1,0 +1,114 @@
+"""A switch to resident (runtime/memory/arrival.py): the state copied behind the step that decided it,
+waited for where it is read, and its host regions unpinned over the steps after, a budget a step."""
+
+import mmap
+from types import SimpleNamespace
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from test_host_memory import RecordingPinner
+from deepspeed_offload.runtime.memory import pinned
+from deepspeed_offload.runtime.memory.arrival import Arrival, ArrivalPhase
+from deepspeed_offload.runtime.memory.host_store import MASTER, HostStore
+from deepspeed_offload.runtime.memory.state_tensors import StateTensors
+from deepspeed_offload.runtime.staging.copies import SyncCopies
+
+
+class Event:
+    landed = False
+
+
+class LateCopies(SyncCopies):
+    """Copies whose event lands when the test says so; records who waited for it, and how."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.event = [], None
+
+    def h2d(self, dst, src, waits):
+        super().h2d(dst, src, waits)
+        self.event = Event()
+        return self.event, None
+
+    def compute_waits(self, event):
+        self.calls.append(("compute_waits", event))
+
+    def wait_host(self, event):
+        self.calls.append(("wait_host", event))
+        event.landed = True
+
+    def done(self, event):
+        return event.landed
+
+
+def make_mode(fake_host, monkeypatch, n=4):
+    fake_host()
+    page = mmap.PAGESIZE // 4
+    monkeypatch.setattr(pinned, "SLAB_BYTES", page * 4)  # a slab a sub-group
+    pinner = RecordingPinner()
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
+    store = HostStore({i: [(MASTER, torch.float32, page)] for i in range(n)}, pin_memory=True)
+    masters = []
+    for i in range(n):
+        store.view(i, MASTER).fill_(i + 1)
+        masters.append(torch.nn.Parameter(store.view(i, MASTER), requires_grad=False))
+    opt = SimpleNamespace(fp32_partitioned_groups_flat=masters, optimizer=SimpleNamespace(state={}))
+    guarded = []
+    mode = SimpleNamespace(acc=get_accelerator(), store=store, copies=LateCopies(), resident=[],
+                           tensors=StateTensors(opt, store, list(range(n))), guard=lambda i, other: guarded.append(i))
+    mode.arrival = Arrival(mode)
+    return mode, masters, pinner, guarded
+
+
+def test_the_state_travels_behind_the_step_and_is_waited_for_where_it_is_read(fake_host, monkeypatch):
+    mode, masters, pinner, guarded = make_mode(fake_host, monkeypatch)
+    arrival = mode.arrival
+    assert arrival.phase is ArrivalPhase.IDLE
+    mode.resident = [0, 1, 2]
+    arrival.start([0, 1, 2])
+    for i in range(3):  # DeepSpeed's own tensors, their .data on new device tensors holding the host state
+        assert masters[i].data_ptr() != mode.store.view(i, MASTER).data_ptr() and torch.all(masters[i] == i + 1)
+    assert masters[3].data_ptr() == mode.store.view(3, MASTER).data_ptr()
+    assert arrival.phase is ArrivalPhase.COPYING and arrival.copied_bytes == 3 * mmap.PAGESIZE
+    event = mode.copies.event
+    arrival.between_steps(iteration_s=100.0)  # still copying: its regions are read, nothing is unpinned
+    assert pinner.unregistered == [] and mode.store.unpinned == set()
+    arrival.before_step()  # the step waits on the device, the CPU does not
+    assert mode.copies.calls == [("compute_waits", event)] and arrival.phase is ArrivalPhase.COPYING
+    arrival.wait()  # a CPU reader (synchronize_for_checkpoint) waits for it
+    assert mode.copies.calls[-1] == ("wait_host", event) and arrival.phase is ArrivalPhase.UNPINNING
+    arrival.before_step()
+    assert len(mode.copies.calls) == 2  # landed: nothing more to wait for
+
+
+def test_the_regions_are_unpinned_a_budget_a_step_and_only_while_resident(fake_host, monkeypatch):
+    mode, masters, pinner, guarded = make_mode(fake_host, monkeypatch)
+    arrival = mode.arrival
+    mode.resident = [0, 1, 2]
+    arrival.start([0, 1, 2])
+    mode.copies.event.landed = True
+    arrival.between_steps(iteration_s=0.0)  # no time to spare: one sub-group a step
+    assert mode.store.unpinned == {0} and len(pinner.unregistered) == 1 and guarded == [0]
+    assert arrival.phase is ArrivalPhase.UNPINNING
+    mode.resident = [0]  # the plan gave 1 and 2 back before their turn: their slabs are still locked
+    arrival.between_steps(iteration_s=0.0)
+    arrival.between_steps(iteration_s=0.0)
+    assert mode.store.unpinned == {0} and len(pinner.unregistered) == 1 and guarded == [0]
+    assert arrival.phase is ArrivalPhase.IDLE
+    mode.resident = [0, 1, 2, 3]
+    arrival.start([1, 2, 3])
+    arrival.between_steps(iteration_s=0.0)  # not landed yet
+    assert mode.store.unpinned == {0}
+    arrival.settle()  # before something needs the host memory: everything now
+    assert mode.store.unpinned == {0, 1, 2, 3} and len(pinner.unregistered) == 4 and guarded == [0, 1, 2, 3]
+    assert mode.store.pinned_bytes == 0 and arrival.phase is ArrivalPhase.IDLE
+
+
+def test_a_step_with_time_to_spare_unpins_everything(fake_host, monkeypatch):
+    mode, _, pinner, _ = make_mode(fake_host, monkeypatch)
+    mode.resident = [0, 1, 2, 3]
+    mode.arrival.start([0, 1, 2, 3])
+    mode.copies.event.landed = True
+    mode.arrival.between_steps(iteration_s=1000.0)
+    assert mode.store.unpinned == {0, 1, 2, 3} and len(pinner.unregistered) == 4
