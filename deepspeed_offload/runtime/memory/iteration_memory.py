@@ -16,8 +16,12 @@ the two largest distinct inputs, between 1 (activations in proportion to the tok
 attention that materializes its scores), and 1 while only one size was seen. Inputs at or under
 ``n0`` need at most ``g``: the prediction never goes below what was measured. The caching allocator
 reserves more than it hands out (blocks cut to size, a 7B's iteration held 9 GiB more reserved than
-allocated at its peak); the prediction adds what the largest input's step reserved beyond its
-allocated peak (``slack``), since running out of memory is a matter of what can be reserved.
+allocated at its peak); the prediction adds what a step reserved beyond its allocated peak
+(``slack``), since running out of memory is a matter of what can be reserved: the most any step
+reserved of those whose input was the largest seen until then. (A smaller input after a larger one finds
+the larger one's blocks cached: its slack is inflated, and not counted. A larger input is not spared
+the fragmentation a smaller one met: a 7B at batch 12 ran out of memory with 11.9 GiB reserved and
+free in pieces, after batch 11 had measured little.)
 
 ``DeviceMemory`` reads the device's counters for everyone that needs a peak: the load policy resets
 the peak statistics at every gradient hook of the iteration it measures, and the iteration's own peak
@@ -88,11 +92,14 @@ class IterationMemory:
     growth: Dict[int, int] = field(default_factory=dict)  # input elements -> largest growth seen
     slack: Dict[int, int] = field(default_factory=dict)  # input elements -> reserved beyond the allocated peak
     base: int = 0  # the last step's base (allocated at its forward's start, less the resident state)
+    top_slack: int = 0  # the most slack of a step whose input was the largest seen until then
 
     def add(self, numel: int, base: int, growth: int, slack: int = 0):
         if numel <= 0:
             return
         self.base = max(0, base)
+        if numel >= self.largest:
+            self.top_slack = max(self.top_slack, slack)
         self.growth[numel] = max(self.growth.get(numel, 0), max(0, growth))
         self.slack[numel] = max(0, slack)
 
@@ -119,4 +126,4 @@ class IterationMemory:
         g0 = max(g for n, g in self.growth.items() if n >= min(numel, n0))
         if numel > n0:
             g0 = int(math.ceil(self.growth[n0] * (numel / n0) ** self.power()))
-        return self.base + g0 + self.slack.get(n0, 0)
+        return self.base + g0 + max(self.slack.get(n0, 0), self.top_slack)
