@@ -34,7 +34,7 @@ def test_the_largest_sizes_slack_is_added_and_an_inflated_one_is_not():
 
 
 def test_fragmentation_met_while_growing_is_kept_for_larger_inputs():
-    """A 7B at batch 12 ran out of memory with 11.9 GiB reserved and free in pieces, where batch 11 (its
+    """A 7B at batch 12 ran out of memory with 10.6 GiB reserved and free in pieces, where batch 11 (its
     cache emptied by a give-back before its forward) had measured little slack and batch 8 much."""
     m = IterationMemory()
     m.add(100, base=0, growth=100, slack=70)  # the largest until then: its slack counts

@@ -20,7 +20,7 @@ allocated at its peak); the prediction adds what a step reserved beyond its allo
 (``slack``), since running out of memory is a matter of what can be reserved: the most any step
 reserved of those whose input was the largest seen until then. (A smaller input after a larger one finds
 the larger one's blocks cached: its slack is inflated, and not counted. A larger input is not spared
-the fragmentation a smaller one met: a 7B at batch 12 ran out of memory with 11.9 GiB reserved and
+the fragmentation a smaller one met: a 7B at batch 12 ran out of memory with 10.6 GiB reserved and
 free in pieces, after batch 11 had measured little.)
 
 ``DeviceMemory`` reads the device's counters for everyone that needs a peak: the load policy resets
