@@ -142,6 +142,15 @@ class DeferredCopies:
             weakref.finalize(buf, self._dropped, key_of(buf), used_by == JOINED)
         return bufs, self.order.mark()  # a copy into them waits for the compute work queued before
 
+    def written_by_copies(self, *tensors):
+        """Device tensors made on the compute stream for a copy to fill (a switch to resident): NaN until
+        it runs, as a new block may hold anything, so that a read before its wait shows."""
+        for t in tensors:
+            self.allocs += 1
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            self.order.fresh(t, f"a switch's tensor {self.allocs} ({t.dtype}, {t.numel()})")
+
     def _dropped(self, key, joined):
         if key is None:
             return

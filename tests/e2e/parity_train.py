@@ -792,7 +792,7 @@ def train_with(spec):
                     engine.reload_states()
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
-                    resplit(handle, k)
+                    resplit(handle, k if k >= 0 else len(handle.probe.entries) + k)  # (k < 0: all but -k)
                     result_extra.setdefault("placed", []).append(
                         (len(handle.resident), list(handle.order), sorted(handle.store.unpinned),
                          handle.store.slabs.unpinned_bytes, list(handle.resident)))

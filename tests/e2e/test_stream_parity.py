@@ -88,6 +88,13 @@ CASES = {
     "plan_moves_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True, gas=2, clip=1e9,
                                       place_at=[[1, 3], [3, 1]], slab_bytes=1),
                             variants=["overlap", "deferred"]),
+    # all but the last sub-group made resident after step 1, overlap off (no load, no speculation in
+    # backward): DeepSpeed updates the resident ones before anything waits for a load on the H2D stream,
+    # so only the step's own wait (Arrival.before_step) lands the switch's copies first; the deferred
+    # executor runs a copy only when waited for and fills the switch's tensors with NaN until then
+    "plan_moves_all_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, clip=1e9,
+                                              place_at=[[1, -1]], slab_bytes=1),
+                                    variants=["deferred_off"]),
 }
 
 
@@ -282,7 +289,7 @@ def test_parity_two_ranks(two_rank_runs, case):
         assert results["overlap"]["handle"]["resident"], "the budget should keep the first sub-groups resident"
     if case == "one_param_per_sub_group":
         assert results["resume"]["loaded_into_store"] is True
-    if case.startswith("plan_moves"):
+    if case in ("plan_moves", "plan_moves_gas2"):
         for name in ("overlap", "deferred"):
             placed = results[name]["placed"]
             assert [p[0] for p in placed] == [3, 1], placed
@@ -293,6 +300,9 @@ def test_parity_two_ranks(two_rank_runs, case):
             handle = results[name]["handle"]
             assert handle["released"] == sorted(handle["resident"]) and handle["unpinned_bytes"] > 0, handle
             assert results[name]["handle"]["speculation"]["committed"] > 0, name  # the defaults speculate
+    if case == "plan_moves_all_resident":
+        handle = results["deferred_off"]["handle"]
+        assert len(handle["order"]) == 1 and handle["released"] == sorted(handle["resident"]), handle
 
 
 # The measured plan on a device whose figures the test scripts (parity_train.ScriptedMemory): 300 kB, a

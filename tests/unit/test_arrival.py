@@ -4,6 +4,7 @@ waited for where it is read, and its host regions unpinned over the steps after,
 import mmap
 from types import SimpleNamespace
 
+import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
 
@@ -66,7 +67,7 @@ def test_the_state_travels_behind_the_step_and_is_waited_for_where_it_is_read(fa
     arrival = mode.arrival
     assert arrival.phase is ArrivalPhase.IDLE
     mode.resident = [0, 1, 2]
-    arrival.start([0, 1, 2])
+    arrival.start(arrival.allocate([0, 1, 2]))
     for i in range(3):  # DeepSpeed's own tensors, their .data on new device tensors holding the host state
         assert masters[i].data_ptr() != mode.store.view(i, MASTER).data_ptr() and torch.all(masters[i] == i + 1)
     assert masters[3].data_ptr() == mode.store.view(3, MASTER).data_ptr()
@@ -86,7 +87,7 @@ def test_the_regions_are_unpinned_a_budget_a_step_and_only_while_resident(fake_h
     mode, masters, pinner, guarded = make_mode(fake_host, monkeypatch)
     arrival = mode.arrival
     mode.resident = [0, 1, 2]
-    arrival.start([0, 1, 2])
+    arrival.start(arrival.allocate([0, 1, 2]))
     mode.copies.event.landed = True
     arrival.between_steps(iteration_s=0.0)  # no time to spare: one sub-group a step
     assert mode.store.unpinned == {0} and len(pinner.unregistered) == 1 and guarded == [0]
@@ -97,7 +98,7 @@ def test_the_regions_are_unpinned_a_budget_a_step_and_only_while_resident(fake_h
     assert mode.store.unpinned == {0} and len(pinner.unregistered) == 1 and guarded == [0]
     assert arrival.phase is ArrivalPhase.IDLE
     mode.resident = [0, 1, 2, 3]
-    arrival.start([1, 2, 3])
+    arrival.start(arrival.allocate([1, 2, 3]))
     arrival.between_steps(iteration_s=0.0)  # not landed yet
     assert mode.store.unpinned == {0}
     arrival.settle()  # before something needs the host memory: everything now
@@ -108,7 +109,25 @@ def test_the_regions_are_unpinned_a_budget_a_step_and_only_while_resident(fake_h
 def test_a_step_with_time_to_spare_unpins_everything(fake_host, monkeypatch):
     mode, _, pinner, _ = make_mode(fake_host, monkeypatch)
     mode.resident = [0, 1, 2, 3]
-    mode.arrival.start([0, 1, 2, 3])
+    mode.arrival.start(mode.arrival.allocate([0, 1, 2, 3]))
     mode.copies.event.landed = True
     mode.arrival.between_steps(iteration_s=1000.0)
     assert mode.store.unpinned == {0, 1, 2, 3} and len(pinner.unregistered) == 4
+
+
+def test_running_out_of_memory_while_allocating_leaves_every_tensor_where_it_was(fake_host, monkeypatch):
+    """resplit allocates first: out of memory half way (near the limit) changes nothing."""
+    mode, masters, pinner, _ = make_mode(fake_host, monkeypatch)
+    real_empty, made = torch.empty, []
+
+    def empty(*args, **kwargs):
+        if len(made) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        made.append(1)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        mode.arrival.allocate([0, 1, 2])
+    assert all(masters[i].data_ptr() == mode.store.view(i, MASTER).data_ptr() for i in range(4))
+    assert mode.arrival.phase is ArrivalPhase.IDLE and mode.copies.event is None and pinner.unregistered == []

@@ -37,7 +37,9 @@ def test_fragmentation_met_while_growing_is_kept_for_larger_inputs():
     """A 7B at batch 12 ran out of memory with 10.6 GiB reserved and free in pieces, where batch 11 (its
     cache emptied by a give-back before its forward) had measured little slack and batch 8 much."""
     m = IterationMemory()
+    m.add(100, base=0, growth=100, slack=900)  # the first step of a size: one-off allocations, not counted
     m.add(100, base=0, growth=100, slack=70)  # the largest until then: its slack counts
+    m.add(150, base=0, growth=150, slack=5)  # right after a give-back emptied the cache
     m.add(150, base=0, growth=150, slack=5)
     assert m.predict(150) == 150 + 70 and m.predict(300) == 300 + 70
 

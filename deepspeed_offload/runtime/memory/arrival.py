@@ -7,8 +7,9 @@ of the step; a switch goes through these phases::
 
     IDLE ──start──▶ COPYING ──landed──▶ UNPINNING ──(every slab unpinned)──▶ IDLE
 
-- ``start``: device tensors for the sub-groups, DeepSpeed's tensors pointed at them, their state copied
-  on the H2D stream behind the work the compute stream has queued: the next forward runs while it lands;
+- ``allocate`` (before the switch moves anything: a failure changes nothing), then ``start``: device
+  tensors for the sub-groups, DeepSpeed's tensors pointed at them, their state copied on the H2D
+  stream behind the work the compute stream has queued: the next forward runs while it lands;
 - ``before_step``: DeepSpeed's step is about to read and update that state: the compute stream waits
   for the copies (on the device, the CPU goes on); ``wait``: the CPU is about to read or move state
   (``synchronize_for_checkpoint``): it waits for them;
@@ -23,6 +24,7 @@ still locked.
 
 import enum
 import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +40,14 @@ class ArrivalPhase(enum.Enum):
     IDLE = "idle"  # nothing in flight, nothing left to unpin
     COPYING = "copying"  # the state is on its way to the device
     UNPINNING = "unpinning"  # landed; host regions still locked, unpinned between steps
+
+
+@dataclass
+class Switch:
+    """The device tensors of one switch, made before anything moved (``Arrival.allocate``)."""
+    sub_groups: List[int]
+    dst: Dict[Tuple[int, str], torch.Tensor] = field(default_factory=dict)  # (sub-group, key) -> device
+    src: Dict[Tuple[int, str], torch.Tensor] = field(default_factory=dict)  # ... -> its host region, flat
 
 
 class Arrival:
@@ -56,28 +66,34 @@ class Arrival:
             return ArrivalPhase.COPYING
         return ArrivalPhase.UNPINNING if self.to_unpin else ArrivalPhase.IDLE
 
-    def start(self, sub_groups: List[int]):
-        """Sub-groups ``sub_groups`` become resident: device tensors for their state, DeepSpeed's tensors
-        pointed at them, the copies queued on the H2D stream (after the compute stream's queued work:
-        the allocator may hand out blocks it still reads)."""
+    def allocate(self, sub_groups: List[int]) -> "Switch":
+        """Device tensors for the state of ``sub_groups``, nothing else changed: a failure (out of
+        memory near the limit) leaves every tensor where it was. ``resplit`` calls it before it moves
+        anything, and ``start`` once it has."""
         mode = self.mode
         device = mode.acc.current_device_name()
-        dst: Dict[Tuple[int, str], torch.Tensor] = {}
-        src: Dict[Tuple[int, str], torch.Tensor] = {}
+        switch = Switch(list(sub_groups))
+        for i in switch.sub_groups:
+            for key in mode.store.slices[i]:
+                if mode.tensors.get(i, key) is not None:
+                    host = mode.store.view(i, key)
+                    switch.src[i, key] = host.view(-1)
+                    switch.dst[i, key] = torch.empty(host.shape, dtype=host.dtype, device=device)
+        mode.copies.written_by_copies(*switch.dst.values())  # (never reused before the copies end)
+        return switch
 
-        def device_tensor(i: int, key: str) -> torch.Tensor:
-            host = mode.store.view(i, key)
-            dst[i, key] = torch.empty(host.shape, dtype=host.dtype, device=device)
-            src[i, key] = host
-            return dst[i, key]
-
-        for i in sub_groups:
-            mode.tensors.point_at(i, lambda key, i=i: device_tensor(i, key))
-        if dst:
-            flat = lambda tensors: {k: t.view(-1) for k, t in tensors.items()}
-            self.event, _ = mode.copies.h2d(flat(dst), flat(src), [mode.copies.mark()])
-        self.copied_bytes = sum(t.numel() * t.element_size() for t in dst.values())
-        self.to_unpin += [i for i in sub_groups if i not in self.to_unpin]
+    def start(self, switch: "Switch"):
+        """The sub-groups of ``switch`` become resident: DeepSpeed's tensors pointed at its device
+        tensors, the copies queued on the H2D stream (after the compute stream's queued work: the
+        allocator may have handed out blocks it still reads)."""
+        mode = self.mode
+        for i in switch.sub_groups:
+            mode.tensors.point_at(i, lambda key, i=i: switch.dst[i, key])
+        if switch.dst:
+            dst = {k: t.view(-1) for k, t in switch.dst.items()}
+            self.event, _ = mode.copies.h2d(dst, switch.src, [mode.copies.mark()])
+        self.copied_bytes = sum(t.numel() * t.element_size() for t in switch.dst.values())
+        self.to_unpin += [i for i in switch.sub_groups if i not in self.to_unpin]
         self.unpin_s, self.unpin_steps = 0.0, 0
 
     def before_step(self):

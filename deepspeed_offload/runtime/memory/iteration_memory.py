@@ -18,10 +18,11 @@ attention that materializes its scores), and 1 while only one size was seen. Inp
 reserves more than it hands out (blocks cut to size, a 7B's iteration held 9 GiB more reserved than
 allocated at its peak); the prediction adds what a step reserved beyond its allocated peak
 (``slack``), since running out of memory is a matter of what can be reserved: the most any step
-reserved of those whose input was the largest seen until then. (A smaller input after a larger one finds
-the larger one's blocks cached: its slack is inflated, and not counted. A larger input is not spared
-the fragmentation a smaller one met: a 7B at batch 12 ran out of memory with 10.6 GiB reserved and
-free in pieces, after batch 11 had measured little.)
+reserved of those whose input was the largest seen until then, the first step of each size aside.
+(A smaller input after a larger one finds the larger one's blocks cached, a first step at a size what
+earlier steps or a give-back left in the cache: their slack is not counted. A larger input is not
+spared the fragmentation a smaller one met: a 7B at batch 12 ran out of memory with 10.6 GiB
+reserved and free in pieces, after batch 11 had measured little.)
 
 ``DeviceMemory`` reads the device's counters for everyone that needs a peak: the load policy resets
 the peak statistics at every gradient hook of the iteration it measures, and the iteration's own peak
@@ -92,13 +93,13 @@ class IterationMemory:
     growth: Dict[int, int] = field(default_factory=dict)  # input elements -> largest growth seen
     slack: Dict[int, int] = field(default_factory=dict)  # input elements -> reserved beyond the allocated peak
     base: int = 0  # the last step's base (allocated at its forward's start, less the resident state)
-    top_slack: int = 0  # the most slack of a step whose input was the largest seen until then
+    top_slack: int = 0  # the most slack of a step whose input was the largest seen until then (not its size's first)
 
     def add(self, numel: int, base: int, growth: int, slack: int = 0):
         if numel <= 0:
             return
         self.base = max(0, base)
-        if numel >= self.largest:
+        if numel >= self.largest and numel in self.growth:  # (the first step of a size: what the cache made of it)
             self.top_slack = max(self.top_slack, slack)
         self.growth[numel] = max(self.growth.get(numel, 0), max(0, growth))
         self.slack[numel] = max(0, slack)

@@ -19,6 +19,7 @@ def resplit(mode, k: int) -> bool:
     mode.table.unload_all()
     to_device = [i for i in new.resident if i in old.order]
     to_host = [i for i in old.resident if i in new.order]
+    switch = mode.arrival.allocate(to_device)  # first: out of memory here leaves the split as it was
     for i in to_host:  # an asynchronous checkpoint may still be reading their regions
         mode.guard(i, other=None)
     if to_host:  # ... or copying the resident state that leaves the device (its reference holds the memory)
@@ -28,7 +29,7 @@ def resplit(mode, k: int) -> bool:
         mode.tensors.move_into(i, lambda key: mode.store.view(i, key))
     moved = mode.probe.resident_bytes(len(new.resident)) - mode.probe.resident_bytes(len(old.resident))
     mode.layout, mode.order, mode.resident, mode.slot_bytes = new, new.order, new.resident, new.slot_bytes
-    mode.arrival.start(to_device)  # after the bookkeeping: the copies are queued last, behind the step
+    mode.arrival.start(switch)  # after the bookkeeping: the copies are queued last, behind the step
     mode.table.set_offloaded(new.order, new.slot_numel)
     mode.tensors.order = new.order
     mode.timing.slot_bytes = new.slot_bytes

@@ -70,6 +70,10 @@ class SyncCopies:
     def free(self, *tensors: torch.Tensor, read_by_copies: bool = False) -> None:
         """JOINED buffers about to be dropped without a join (``AsyncCopies.free``)."""
 
+    def written_by_copies(self, *tensors: torch.Tensor) -> None:
+        """Device tensors allocated on the compute stream that a copy stream writes: their blocks are
+        not reused before the copies queued by the time they are freed end (here: nothing runs later)."""
+
     def compute_waits(self, event) -> None:
         pass
 
@@ -174,6 +178,10 @@ class AsyncCopies:
             t.record_stream(self.side_stream)
             if read_by_copies:
                 t.record_stream(self.d2h_stream)
+
+    def written_by_copies(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            t.record_stream(self.h2d_stream)
 
     def compute_waits(self, event) -> None:
         # (the current stream: the compute stream, or the side stream inside ``side()``)
