@@ -157,6 +157,18 @@ def optimizer_for(spec, groups):
     raise ValueError(kind)
 
 
+def _tensors(value):
+    """Every tensor in a nested dict/list/tuple (an optimizer's state_dict)."""
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
 def engine_snapshot(engine):
     """What a failed attach must leave as it was: the engine's and the optimizer's instance methods (the
     objects themselves), every fp32 master and optimizer-state tensor (values and device), DeepSpeed's
@@ -793,6 +805,11 @@ def train_with(spec):
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
                     resplit(handle, k if k >= 0 else len(handle.probe.entries) + k)  # (k < 0: all but -k)
+                    if spec.get("read_after_place"):  # a CPU reader before the next step: the copies land first
+                        state = engine.optimizer.state_dict()
+                        tensors = [t for t in _tensors(state) if t.is_floating_point()]
+                        result_extra.setdefault("read_after_place", []).append(
+                            bool(tensors) and all(bool(torch.isfinite(t).all()) for t in tensors))
                     result_extra.setdefault("placed", []).append(
                         (len(handle.resident), list(handle.order), sorted(handle.store.unpinned),
                          handle.store.slabs.unpinned_bytes, list(handle.resident)))

@@ -91,9 +91,10 @@ CASES = {
     # all but the last sub-group made resident after step 1, overlap off (no load, no speculation in
     # backward): DeepSpeed updates the resident ones before anything waits for a load on the H2D stream,
     # so only the step's own wait (Arrival.before_step) lands the switch's copies first; the deferred
-    # executor runs a copy only when waited for and fills the switch's tensors with NaN until then
+    # executor runs a copy only when waited for and fills the switch's tensors with NaN until then; the
+    # optimizer's state_dict() read right after the move (a CPU reader: Arrival.wait) finds no NaN
     "plan_moves_all_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, clip=1e9,
-                                              place_at=[[1, -1]], slab_bytes=1),
+                                              place_at=[[1, -1]], slab_bytes=1, read_after_place=True),
                                     variants=["deferred_off"]),
 }
 
@@ -303,6 +304,7 @@ def test_parity_two_ranks(two_rank_runs, case):
     if case == "plan_moves_all_resident":
         handle = results["deferred_off"]["handle"]
         assert len(handle["order"]) == 1 and handle["released"] == sorted(handle["resident"]), handle
+        assert results["deferred_off"]["read_after_place"] == [True]  # a CPU reader right after the move
 
 
 # The measured plan on a device whose figures the test scripts (parity_train.ScriptedMemory): 300 kB, a
