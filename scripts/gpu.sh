@@ -121,6 +121,8 @@ queue)
     echo "queue started: $(grep -c . "$Q/jobs") job(s)" ;;
 queue-wait)
     Q=/tmp/gpu_queue
+    # a fresh machine (the one that ran the queue went back between two calls) has none: say so at once
+    [ -f "$Q/jobs" ] || { echo "queue-wait: no queue on this machine (started afresh: the queue is gone)"; exit 3; }
     end=$((SECONDS + ${1:-560}))
     while ! grep -qx done "$Q/queue.log" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
     cat "$Q/queue.log"
