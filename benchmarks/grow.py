@@ -3,8 +3,9 @@ model): ``zero.Init``, bf16, FusedAdam, reentrant gradient checkpointing (what
 ``gradient_checkpointing_enable()`` gives in transformers 4 and most ZeRO-3 recipes set; asked for
 explicitly, since transformers 5 defaults to non-reentrant; ``--non-reentrant`` for the other),
 DeepSpeed's defaults for everything the ds_config leaves out. Per iteration: the batch, seconds
-(synchronized), peak allocated and reserved GiB, the resident and streamed sub-groups; an
-out-of-memory error ends the run and is reported.
+(synchronized: ``--sync device``, every stream; ``--sync compute``, the compute stream alone, as a
+loop that reads its loss), peak allocated and reserved GiB, the resident and streamed sub-groups;
+an out-of-memory error ends the run and is reported.
 
     deepspeed --num_gpus 1 benchmarks/grow.py --mode default --batches 8,8,8,8,9,9,10,10,11,11,12,12,14,14 \\
         --out grow-default.json
@@ -38,6 +39,9 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--non-reentrant", action="store_true", help="gradient_checkpointing_kwargs use_reentrant False")
     ap.add_argument("--split", action="store_true", help="synchronize after backward too: forward+backward seconds apart")
+    ap.add_argument("--sync", choices=["device", "compute"], default="device",
+                    help="what ends an iteration: every stream idle (torch.cuda.synchronize), or the compute stream "
+                         "alone, as a loop that reads its loss (copies on other streams may run on)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
@@ -69,19 +73,20 @@ def main():
     rows, oom = [], None
     counted = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTERS}
     gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if args.sync == "device" else lambda: torch.cuda.current_stream().synchronize()
     for k, batch in enumerate(batches):
         ids = torch.randint(0, shape["vocab"], (batch, args.seq), generator=gen).cuda()
-        torch.cuda.synchronize()
+        sync()  # (compute: what the last iteration left on other streams runs into this one, as in a loop)
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         try:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             if args.split:
-                torch.cuda.synchronize()
+                sync()
                 backward_s = time.perf_counter() - started
             engine.step()
-            torch.cuda.synchronize()
+            sync()
         except torch.cuda.OutOfMemoryError as e:
             oom = {"iteration": k, "batch": batch, "error": str(e).splitlines()[0][:300]}
             print(f"[grow] out of memory at iteration {k}, batch {batch}: {oom['error']}", flush=True)
@@ -102,6 +107,7 @@ def main():
         rows.append(row)
         print(f"[grow] {json.dumps(row)}", flush=True)
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
+              "sync": args.sync,
               "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
               "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
