@@ -74,11 +74,10 @@ class Arrival:
         device = mode.acc.current_device_name()
         switch = Switch(list(sub_groups))
         for i in switch.sub_groups:
-            for key in mode.store.slices[i]:
-                if mode.tensors.get(i, key) is not None:
-                    host = mode.store.view(i, key)
-                    switch.src[i, key] = host.view(-1)
-                    switch.dst[i, key] = torch.empty(host.shape, dtype=host.dtype, device=device)
+            for key, _ in mode.tensors.stored(i):
+                host = mode.store.view(i, key)
+                switch.src[i, key] = host.view(-1)
+                switch.dst[i, key] = torch.empty(host.shape, dtype=host.dtype, device=device)
         mode.copies.written_by_copies(*switch.dst.values())  # (never reused before the copies end)
         return switch
 

@@ -44,23 +44,23 @@ class StateTensors:
         """The tensors of ``sub_groups`` (``data_ptr`` where they are now) and the sub-group of each."""
         return {t.data_ptr(): i for i in sorted(sub_groups) for t in self.of(i)}
 
+    def stored(self, i: int) -> List[Tuple[str, torch.Tensor]]:
+        """(key, tensor) of sub-group ``i``'s tensors that the host store has a slice for and that exist
+        (the optimizer's state appears at its first step)."""
+        return [(key, t) for key in self.store.slices[i] if (t := self.get(i, key)) is not None]
+
     def point_at(self, i: int, view: View, drop_grad: bool = False):
         """Rebind each existing tensor of sub-group ``i`` to ``view(key)``; ``drop_grad``: its
         gradient too (a device gradient would not fit a host tensor)."""
-        for key in self.store.slices[i]:
-            t = self.get(i, key)
-            if t is not None:
-                if drop_grad:
-                    t.grad = None
-                t.data = view(key)
+        for key, t in self.stored(i):
+            if drop_grad:
+                t.grad = None
+            t.data = view(key)
 
     def move_into(self, i: int, view: View):
         """Copy each tensor of sub-group ``i`` into ``view(key)`` and point it there, unless it points
         there already; a tensor of another shape or dtype than the store's is refused."""
-        for key in self.store.slices[i]:
-            t = self.get(i, key)
-            if t is None:
-                continue
+        for key, t in self.stored(i):
             target = view(key)
             if t.shape != target.shape or t.dtype != target.dtype:
                 raise RuntimeError(f"deepspeed-offload: optimizer state '{key}' of sub-group {i} is "
