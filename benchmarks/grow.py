@@ -81,6 +81,7 @@ def main():
         started = time.perf_counter()
         try:
             loss = engine(input_ids=ids, labels=ids).loss
+            forward_cpu_s = time.perf_counter() - started  # (not synchronized: where the host waited in it)
             engine.backward(loss)
             if args.split:
                 sync()
@@ -92,7 +93,7 @@ def main():
             print(f"[grow] out of memory at iteration {k}, batch {batch}: {oom['error']}", flush=True)
             break
         row = {"iteration": k, "batch": batch, "s": time.perf_counter() - started,
-               "forward_backward_s": backward_s if args.split else None,
+               "forward_backward_s": backward_s if args.split else None, "forward_cpu_s": forward_cpu_s,
                "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                "reserved_gib": torch.cuda.memory_reserved() / 2**30,
                **{k: torch.cuda.memory_stats().get(k, 0) - counted.get(k, 0) for k in ALLOCATOR_COUNTERS}}

@@ -5,11 +5,13 @@ the plan measures). Copied and unpinned inside the step that decided it, that co
 (the copies, then ``cudaHostUnregister`` and ``MADV_DONTNEED`` of every slab). ``Arrival`` takes it out
 of the step; a switch goes through these phases::
 
-    IDLE ──start──▶ COPYING ──landed──▶ UNPINNING ──(every slab unpinned)──▶ IDLE
+    IDLE ──start──▶ QUEUED ──launch──▶ COPYING ──landed──▶ UNPINNING ──(every slab unpinned)──▶ IDLE
 
 - ``allocate`` (before the switch moves anything: a failure changes nothing), then ``start``: device
-  tensors for the sub-groups, DeepSpeed's tensors pointed at them, their state copied on the H2D
-  stream behind the work the compute stream has queued: the next forward runs while it lands;
+  tensors for the sub-groups, DeepSpeed's tensors pointed at them (between steps);
+- ``launch`` (the next backward begins, or anything below comes first): their state copied
+  on the H2D stream behind the work the compute stream has queued, beside the backward
+  (not behind the step that decided them, where a synchronized iteration would wait for them);
 - ``before_step``: DeepSpeed's step is about to read and update that state: the compute stream waits
   for the copies (on the device, the CPU goes on); ``wait``: the CPU is about to read or move state
   (``synchronize_for_checkpoint``): it waits for them;
@@ -38,6 +40,7 @@ UNPIN_SHARE = 0.02
 
 class ArrivalPhase(enum.Enum):
     IDLE = "idle"  # nothing in flight, nothing left to unpin
+    QUEUED = "queued"  # device tensors made and pointed at, the copies not launched yet
     COPYING = "copying"  # the state is on its way to the device
     UNPINNING = "unpinning"  # landed; host regions still locked, unpinned between steps
 
@@ -54,6 +57,7 @@ class Arrival:
 
     def __init__(self, mode):
         self.mode = mode
+        self.queued: Optional[Switch] = None  # a switch whose copies are not launched yet
         self.event = None  # the H2D stream's event after the last switch's copies (None: landed)
         self.to_unpin: List[int] = []  # sub-groups made resident whose host regions are still locked
         self.copied_bytes = 0  # the last switch's
@@ -62,6 +66,8 @@ class Arrival:
 
     @property
     def phase(self) -> ArrivalPhase:
+        if self.queued is not None:
+            return ArrivalPhase.QUEUED
         if self.event is not None:
             return ArrivalPhase.COPYING
         return ArrivalPhase.UNPINNING if self.to_unpin else ArrivalPhase.IDLE
@@ -83,25 +89,32 @@ class Arrival:
 
     def start(self, switch: "Switch"):
         """The sub-groups of ``switch`` become resident: DeepSpeed's tensors pointed at its device
-        tensors, the copies queued on the H2D stream (after the compute stream's queued work: the
-        allocator may have handed out blocks it still reads)."""
+        tensors; the copies wait for ``launch``."""
         mode = self.mode
         for i in switch.sub_groups:
             mode.tensors.point_at(i, lambda key, i=i: switch.dst[i, key])
-        if switch.dst:
-            dst = {k: t.view(-1) for k, t in switch.dst.items()}
-            self.event, _ = mode.copies.h2d(dst, switch.src, [mode.copies.mark()])
+        self.queued = switch if switch.dst else None
         self.copied_bytes = sum(t.numel() * t.element_size() for t in switch.dst.values())
         self.to_unpin += [i for i in switch.sub_groups if i not in self.to_unpin]
         self.unpin_s, self.unpin_steps = 0.0, 0
 
+    def launch(self):
+        """The switch's copies onto the H2D stream, after the compute stream's queued work (the
+        allocator may have handed out blocks it still reads)."""
+        switch, self.queued = self.queued, None
+        if switch is not None:
+            dst = {k: t.view(-1) for k, t in switch.dst.items()}
+            self.event, _ = self.mode.copies.h2d(dst, switch.src, [self.mode.copies.mark()])
+
     def before_step(self):
         """DeepSpeed's step begins: the compute stream waits for the switch's copies (a no-op once landed)."""
+        self.launch()
         if self.event is not None:
             self.mode.copies.compute_waits(self.event)
 
     def wait(self):
         """The CPU is about to read or move state: the switch's copies land first."""
+        self.launch()
         if self.event is not None:
             self.mode.copies.wait_host(self.event)
             self.event = None
@@ -109,6 +122,8 @@ class Arrival:
     def between_steps(self, iteration_s: Optional[float]):
         """After an applied step: once the copies landed, unpin for at most ``UNPIN_SHARE`` of
         ``iteration_s`` (at least one sub-group)."""
+        if self.queued is not None:
+            return  # (no backward since the switch: the next one launches its copies)
         if self.event is not None:
             if not self.mode.copies.done(self.event):
                 return  # still copying: the regions are read
@@ -137,5 +152,5 @@ class Arrival:
         if not self.to_unpin:
             log_dist(f"[deepspeed-offload] host store: {format_bytes(mode.store.pinned_bytes)} locked, "
                      f"{format_bytes(mode.store.slabs.unpinned_bytes)} given back to the host (its sub-groups are "
-                     f"resident; {format_bytes(self.copied_bytes)} copied to the device behind the step that decided "
-                     f"it, the regions unpinned in {self.unpin_s:.2f} s over {self.unpin_steps} steps)", ranks=[0])
+                     f"resident; {format_bytes(self.copied_bytes)} copied to the device beside the "
+                     f"next backward, the regions unpinned in {self.unpin_s:.2f} s over {self.unpin_steps} steps)", ranks=[0])

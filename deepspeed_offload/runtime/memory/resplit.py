@@ -2,7 +2,7 @@
 
 ``placement.py`` decides how many of the first sub-groups stay on the device (``k``); this moves
 them, between steps, with every write-back landed: sub-groups that stop streaming get device copies
-of their host state, queued behind the step and unpinned over the next steps (``arrival.py``), those
+of their host state, copied beside the next backward and unpinned over the next steps (``arrival.py``), those
 that start streaming get theirs locked again (``repin``) and their state written into it. DeepSpeed's
 tensor objects stay the same; only their ``.data`` moves.
 """
@@ -29,7 +29,7 @@ def resplit(mode, k: int) -> bool:
         mode.tensors.move_into(i, lambda key: mode.store.view(i, key))
     moved = mode.probe.resident_bytes(len(new.resident)) - mode.probe.resident_bytes(len(old.resident))
     mode.layout, mode.order, mode.resident, mode.slot_bytes = new, new.order, new.resident, new.slot_bytes
-    mode.arrival.start(switch)  # after the bookkeeping: the copies are queued last, behind the step
+    mode.arrival.start(switch)  # after the bookkeeping (its copies wait for the next backward)
     mode.table.set_offloaded(new.order, new.slot_numel)
     mode.tensors.order = new.order
     mode.timing.slot_bytes = new.slot_bytes

@@ -99,8 +99,7 @@ class StreamMode:
         on the CPU accelerator give one whose figures they script)."""
         setup.measure_with(self, memory)
 
-    def undo_attach(self):
-        """Attach failed (here, or on another rank once this one was built): undone on this rank alone."""
+    def undo_attach(self):  # (attach failed here, or on another rank once this one was built)
         setup.undo(self)
 
     def on_detach(self, fn):
@@ -149,7 +148,8 @@ class StreamMode:
     # ------------------------------------------------------------------ backward: loads ahead of the step
 
     def backward_begins(self):
-        """A backward begins (``engine.backward`` or a plain ``loss.backward()``, once)."""
+        """A backward begins (once); what the plan made resident last step travels beside it (``arrival``)."""
+        self.arrival.launch()
         self.early.backward_begins(self.engine.is_gradient_accumulation_boundary())
 
     def gradients_final(self, allowance: Optional[float]):
