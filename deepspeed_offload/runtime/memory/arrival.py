@@ -152,5 +152,6 @@ class Arrival:
         if not self.to_unpin:
             log_dist(f"[deepspeed-offload] host store: {format_bytes(mode.store.pinned_bytes)} locked, "
                      f"{format_bytes(mode.store.slabs.unpinned_bytes)} given back to the host (its sub-groups are "
-                     f"resident; {format_bytes(self.copied_bytes)} copied to the device beside the "
-                     f"next backward, the regions unpinned in {self.unpin_s:.2f} s over {self.unpin_steps} steps)", ranks=[0])
+                     f"resident; {format_bytes(self.copied_bytes)} copied to the device beside the next "
+                     f"backward, the regions unpinned in {self.unpin_s:.2f} s over {self.unpin_steps} steps)",
+                     ranks=[0])
