@@ -44,6 +44,14 @@ class LateCopies(SyncCopies):
         return event.landed
 
 
+class RecordingMemory:
+    def __init__(self):
+        self.calls = []
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+
+
 def make_mode(fake_host, monkeypatch, n=4):
     fake_host()
     page = mmap.PAGESIZE // 4
@@ -57,7 +65,7 @@ def make_mode(fake_host, monkeypatch, n=4):
         masters.append(torch.nn.Parameter(store.view(i, MASTER), requires_grad=False))
     opt = SimpleNamespace(fp32_partitioned_groups_flat=masters, optimizer=SimpleNamespace(state={}))
     guarded = []
-    mode = SimpleNamespace(acc=get_accelerator(), store=store, copies=LateCopies(), resident=[],
+    mode = SimpleNamespace(acc=get_accelerator(), store=store, copies=LateCopies(), resident=[], memory=RecordingMemory(),
                            tensors=StateTensors(opt, store, list(range(n))), guard=lambda i, other: guarded.append(i))
     mode.arrival = Arrival(mode)
     return mode, masters, pinner, guarded
@@ -159,3 +167,15 @@ def test_running_out_of_memory_while_allocating_leaves_every_tensor_where_it_was
         mode.arrival.allocate([0, 1, 2])
     assert all(masters[i].data_ptr() == mode.store.view(i, MASTER).data_ptr() for i in range(4))
     assert mode.arrival.phase is ArrivalPhase.IDLE and mode.copies.event is None and pinner.unregistered == []
+
+
+def test_a_switch_empties_the_cache_before_its_state_is_allocated(fake_host, monkeypatch):
+    """Placed into the blocks the last iteration cached, the switch's state would split them; the next
+    iteration would then reserve new segments beside the fragments, over what the plan measured."""
+    mode, _, _, _ = make_mode(fake_host, monkeypatch)
+    stored = mode.tensors.stored
+    monkeypatch.setattr(mode.tensors, "stored", lambda i: (mode.memory.calls.append(f"allocate {i}"), stored(i))[1])
+    mode.arrival.allocate([])
+    assert mode.memory.calls == []  # nothing to allocate: the cache stays
+    mode.arrival.allocate([1, 2])
+    assert mode.memory.calls == ["empty_cache", "allocate 1", "allocate 2"]

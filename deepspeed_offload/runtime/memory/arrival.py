@@ -7,8 +7,9 @@ of the step; a switch goes through these phases::
 
     IDLE ──start──▶ QUEUED ──launch──▶ COPYING ──landed──▶ UNPINNING ──(every slab unpinned)──▶ IDLE
 
-- ``allocate`` (before the switch moves anything: a failure changes nothing), then ``start``: device
-  tensors for the sub-groups, DeepSpeed's tensors pointed at them (between steps);
+- ``allocate`` (before the switch moves anything: a failure changes nothing; the device's cache
+  emptied first), then ``start``: device tensors for the sub-groups, DeepSpeed's tensors pointed at
+  them (between steps);
 - ``launch`` (the next backward begins, or anything below comes first): their state copied
   on the H2D stream behind the work the compute stream has queued, beside the backward
   (not behind the step that decided them, where a synchronized iteration would wait for them);
@@ -79,6 +80,11 @@ class Arrival:
         mode = self.mode
         device = mode.acc.current_device_name()
         switch = Switch(list(sub_groups))
+        if switch.sub_groups:
+            # The cached blocks the last iteration freed go back first, so that the state gets segments
+            # of its own: placed into those blocks, it would split them, and the next iteration, asking
+            # for the same blocks, would reserve new segments beside the fragments left.
+            mode.memory.empty_cache()
         for i in switch.sub_groups:
             for key, _ in mode.tensors.stored(i):
                 host = mode.store.view(i, key)
