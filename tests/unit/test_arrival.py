@@ -71,7 +71,7 @@ def make_mode(fake_host, monkeypatch, n=4):
     return mode, masters, pinner, guarded
 
 
-def test_the_state_travels_behind_the_step_and_is_waited_for_where_it_is_read(fake_host, monkeypatch):
+def test_the_state_travels_beside_the_next_backward_and_is_waited_for_where_it_is_read(fake_host, monkeypatch):
     mode, masters, pinner, guarded = make_mode(fake_host, monkeypatch)
     arrival = mode.arrival
     assert arrival.phase is ArrivalPhase.IDLE
@@ -101,7 +101,7 @@ def test_the_state_travels_behind_the_step_and_is_waited_for_where_it_is_read(fa
 
 def test_the_copies_start_with_the_backward_not_the_forward(fake_host, monkeypatch):
     """Launched in the forward, a switch's copies would hold up the forward's own small host-to-device
-    copies (one copy engine, first in first out: on an H200 the 7B's forward waited 1.45 s for 75 GiB)."""
+    copies, queued behind them on the one copy engine (first in, first out)."""
     mode, _, _, _ = make_mode(fake_host, monkeypatch)
     mode.resident = [0, 1, 2]
     mode.arrival.start(mode.arrival.allocate([0, 1, 2]))
