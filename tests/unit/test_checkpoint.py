@@ -202,6 +202,24 @@ def test_a_file_digest_needs_no_thread_and_raises_a_failed_read(tmp_path, monkey
     assert files.file_digest(str(tmp_path / "f")) == pieces_digest(data, 1000)
 
 
+def test_each_hashing_thread_reads_into_one_buffer_it_reuses(tmp_path, monkeypatch):
+    """Hashing reads the file into one buffer per thread, reused from read to read: no bytes object
+    per read (freeing one returns its pages with the interpreter's lock held, a stall of the
+    training loop's thread for each piece of a save); the digest is still the definition's."""
+    monkeypatch.setattr(files, "PIECE", 3000)
+    monkeypatch.setattr(files.os, "pread", lambda *a: pytest.fail("a fresh bytes object per read"))
+    reads, real = [], os.preadv
+    monkeypatch.setattr(files.os, "preadv", lambda fd, bufs, at: (reads.append(
+        (threading.get_ident(), id(bufs[0].obj))), real(fd, bufs, at))[1])
+    data = os.urandom(50_000)
+    (tmp_path / "f").write_bytes(data)
+    assert files.file_digest(str(tmp_path / "f")) == pieces_digest(data, 3000)
+    buffers = {}
+    for thread, buf in reads:
+        buffers.setdefault(thread, set()).add(buf)
+    assert len(reads) >= 17 and all(len(b) == 1 for b in buffers.values())  # 17 pieces, one buffer a thread
+
+
 def test_the_writer_starts_the_disk_while_it_serializes(tmp_path, monkeypatch):
     """With ``start_writeback`` (the state copied aside) the disk is asked to write each
     WRITEBACK_EVERY bytes as they are serialized, in order and covering what was written; without it, never."""

@@ -24,7 +24,7 @@ import numpy
 import torch
 
 # The digest the markers record: sha256 over the sha256 digests of the file's 32 MiB pieces, in order,
-# so that the pieces are hashed by several threads at once (hashlib and os.pread release the GIL).
+# so that the pieces are hashed by several threads at once (hashlib and os.preadv release the GIL).
 # Markers name it ("digest"); "sha256" (the whole file in one pass) is what earlier versions wrote.
 DIGEST = "sha256-pieces-32MiB"
 WHOLE = "sha256"
@@ -57,14 +57,27 @@ def address(data) -> int:
     return int(numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data)
 
 
+# Each hashing thread reads into one buffer of its own, reused: a fresh bytes object per read would be
+# freed (its pages unmapped) with the interpreter's lock held, milliseconds each time, which stalls the
+# training loop's thread while a save is written.
+_read_buffers = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    view = getattr(_read_buffers, "view", None)
+    if view is None:
+        view = _read_buffers.view = memoryview(bytearray(CHUNK))
+    return view
+
+
 def _hash_range(fd: int, offset: int, end: int, path) -> bytes:
-    h = hashlib.new(WHOLE)
+    h, buf = hashlib.new(WHOLE), _read_buffer()
     while offset < end:
-        data = os.pread(fd, end - offset, offset)
-        if not data:
+        n = os.preadv(fd, [buf[:min(len(buf), end - offset)]], offset)  # releases the GIL, as update does
+        if not n:
             raise OSError(f"{path} ended at byte {offset} while being hashed (it should reach {end})")
-        h.update(data)
-        offset += len(data)
+        h.update(buf[:n])
+        offset += n
     return h.digest()
 
 
