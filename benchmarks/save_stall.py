@@ -69,13 +69,14 @@ def main():
         summary[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         summary[name]["loop_rate_vs_alone"] = summary[name]["loop_per_s"] / alone
         summary[name]["lost_s_range"] = [min(r["lost_s"] for r in rs), max(r["lost_s"] for r in rs)]
-        print(f"{name:26s} wall {summary[name]['wall_s']:5.2f} s  lost {summary[name]['lost_s']:5.2f} s "
-              f"({summary[name]['long_gaps']:.0f} gaps > {args.gap_ms:g} ms)  longest {summary[name]['max_gap_ms']:6.1f} ms  "
-              f"loop rate {summary[name]['loop_rate_vs_alone']:.2f} of alone")
+        m = summary[name]
+        print(f"{name:26s} wall {m['wall_s']:5.2f} s  lost {m['lost_s']:5.2f} s ({m['long_gaps']:.0f} gaps > "
+              f"{args.gap_ms:g} ms)  longest {m['max_gap_ms']:6.1f} ms  loop rate {m['loop_rate_vs_alone']:.2f} of alone")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"what": "the training loop's thread beside a save's writer (benchmarks/save_stall.py)",
               "date": time.strftime("%Y-%m-%d"), "commit": commit, "args": vars(args),
-              "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
+              "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "torch": torch.__version__,
               "median_of_rounds": summary, "runs": runs}
     if args.out:
         with open(args.out, "w") as f:
