@@ -71,7 +71,8 @@ def main():
         summary[name]["lost_s_range"] = [min(r["lost_s"] for r in rs), max(r["lost_s"] for r in rs)]
         m = summary[name]
         print(f"{name:26s} wall {m['wall_s']:5.2f} s  lost {m['lost_s']:5.2f} s ({m['long_gaps']:.0f} gaps > "
-              f"{args.gap_ms:g} ms)  longest {m['max_gap_ms']:6.1f} ms  loop rate {m['loop_rate_vs_alone']:.2f} of alone")
+              f"{args.gap_ms:g} ms)  longest {m['max_gap_ms']:6.1f} ms  "
+              f"loop rate {m['loop_rate_vs_alone']:.2f} of alone")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"what": "the training loop's thread beside a save's writer (benchmarks/save_stall.py)",
               "date": time.strftime("%Y-%m-%d"), "commit": commit, "args": vars(args),
