@@ -1,7 +1,9 @@
 """The GPU timeline of an iteration, per stream: ``--profile DIR`` runs two more (unsynchronized)
 iterations of each traced mode under ``torch.profiler``, writes the Chrome trace (open it in
-Perfetto) and summarizes the last iteration: when forward, backward and the step ran on the GPU, and
-what each stream (compute, DeepSpeed's reduction stream, our copy and side streams) did in each of them.
+Perfetto) and summarizes the last iteration: when forward, backward and the step ran on the GPU, what
+each stream (compute, DeepSpeed's reduction stream, our copy and side streams) did in each of them, and
+where the CPU waited for the device (``host_waits``: each phase's synchronizing calls by the operator
+that made them; a wait there stops the CPU from queueing more work, so the GPU idles after it).
 
 ``python -m deepspeed_offload.bench.profile TRACE.json.gz`` prints the summary of a saved trace.
 """
@@ -13,6 +15,11 @@ import sys
 
 PHASES = ("forward", "backward", "step")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# Runtime calls that hold the calling CPU thread until the device (or the driver) is done: a stream's or
+# an event's or the device's synchronization (``torch.tensor(x, device=...)``, ``.item()``, a copy to
+# pageable memory), and the driver's allocations and (un)registrations of memory.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMalloc", "cudaFree",
+              "cudaHostAlloc", "cudaFreeHost", "cudaHostRegister", "cudaHostUnregister")
 
 
 def profiled(loop, path, iters=2):
@@ -112,7 +119,39 @@ def summarize(trace):
                             "last_s": round((max(b for _, b in s["intervals"]) - start) / 1e6, 6)})
     return {"iteration_s": round((end - start) / 1e6, 6),
             "phases_s": {w: [round((lo - start) / 1e6, 6), round((hi - start) / 1e6, 6)] for w, (lo, hi) in windows.items()},
-            "streams": out_streams}
+            "streams": out_streams, "host_waits": host_waits(events, spans["user_annotation"])}
+
+
+def host_waits(events, cpu_ranges):
+    """The last iteration's ``HOST_WAITS`` calls, in the phase (the main thread's range, or backward's
+    autograd threads between its start and the step's) whose time they fell in: per phase, per call and
+    the innermost operator around it on its thread (``python`` where none: called from Python), how
+    many and their seconds (the innermost three operators, innermost first). Seconds in a profiled iteration are the profiler's (its CPU is slower, so
+    the device has often caught up); the count and the place are what carries over."""
+    if not all(p in cpu_ranges for p in PHASES):
+        return None
+    last = {p: max(cpu_ranges[p]) for p in PHASES}
+    windows = {"forward": last["forward"], "backward": (last["backward"][0], last["step"][0]), "step": last["step"]}
+    ops = {}
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "")))
+    for v in ops.values():
+        v.sort()
+    out = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or e.get("name") not in HOST_WAITS:
+            continue
+        phase = next((p for p, (lo, hi) in windows.items() if lo <= e["ts"] <= hi), None)
+        if phase is None:
+            continue
+        around = [name for a, b, name in ops.get(e.get("tid"), ()) if a <= e["ts"] <= b]
+        # sorted by start: the last ones enclose least
+        key = f"{e['name']} in {' < '.join(reversed(around[-3:])) if around else 'python'}"
+        row = out.setdefault(phase, {}).setdefault(key, {"count": 0, "seconds": 0.0})
+        row["count"] += 1
+        row["seconds"] = round(row["seconds"] + e["dur"] / 1e6, 6)
+    return {p: dict(sorted(rows.items(), key=lambda kv: -kv[1]["count"])) for p, rows in out.items()}
 
 
 def main(argv=None):

@@ -806,6 +806,38 @@ def test_profile_summary_takes_a_phase_on_every_stream_that_ran_it():
     assert out["phases_s"]["step"] == [0.0008, 0.00105]
 
 
+def test_profile_summary_says_where_the_cpu_waited_for_the_device():
+    """``host_waits``: the last iteration's synchronizing runtime calls per phase (the main thread's
+    ranges; backward's autograd thread counted in backward), by call and the operators around it on
+    its thread, innermost first; the first iteration's and the other runtime calls are not counted."""
+    from deepspeed_offload.bench.profile import summarize
+
+    def x(cat, name, ts, dur, tid):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {"stream": tid}}
+
+    events = []
+    for it in (0, 1000):  # forward 0-100, backward 100-600 (autograd's thread 2), step 600-900, main thread 1
+        events += [x("user_annotation", "forward", it, 100, 1), x("user_annotation", "backward", it + 100, 20, 1),
+                   x("user_annotation", "step", it + 600, 300, 1), x("gpu_user_annotation", "forward", it + 5, 100, 7),
+                   x("gpu_user_annotation", "backward", it + 105, 500, 7), x("gpu_user_annotation", "step", it + 605, 300, 7)]
+        for k in range(3):  # per sub-group: torch.tensor(-1.0, device=...) in DeepSpeed's norm
+            t = it + 610 + 10 * k
+            events += [x("cpu_op", "aten::to", t, 8, 1), x("cpu_op", "aten::_to_copy", t + 1, 6, 1),
+                       x("cpu_op", "aten::copy_", t + 2, 4, 1), x("cuda_runtime", "cudaMemcpyAsync", t + 3, 1, 1),
+                       x("cuda_runtime", "cudaStreamSynchronize", t + 4, 2, 1)]
+        events += [x("cpu_op", "aten::item", it + 50, 30, 1), x("cpu_op", "aten::_local_scalar_dense", it + 51, 28, 1),
+                   x("cuda_runtime", "cudaStreamSynchronize", it + 60, 20, 1),
+                   x("cuda_runtime", "cudaEventSynchronize", it + 300, 50, 2),  # autograd's thread, from Python
+                   x("cuda_runtime", "cudaLaunchKernel", it + 310, 5, 2),
+                   x("cuda_runtime", "cudaHostUnregister", it + 700, 25, 1)]
+    waits = summarize({"traceEvents": events})["host_waits"]
+    assert waits == {
+        "forward": {"cudaStreamSynchronize in aten::_local_scalar_dense < aten::item": {"count": 1, "seconds": 2e-05}},
+        "backward": {"cudaEventSynchronize in python": {"count": 1, "seconds": 5e-05}},
+        "step": {"cudaStreamSynchronize in aten::copy_ < aten::_to_copy < aten::to": {"count": 3, "seconds": 6e-06},
+                 "cudaHostUnregister in python": {"count": 1, "seconds": 2.5e-05}}}
+
+
 def test_rounds_run_the_modes_in_turn_and_pool_them(tmp_path, monkeypatch):
     """``--rounds 3``: resident and stream_speculate in turn, every other round reversed; each mode's
     iterations pooled (medians over all rounds, the mean of the pipelined means, the worst peaks),
