@@ -73,9 +73,11 @@ case $what in
 tests)
     build_ops
     # CI runs the unit tests on the CPU; with them this did not finish in 400 s on the H200
+    # -v: each test's outcome is a line of tests.log as it ends, so a log cut off mid-run (the machine
+    # taken back) still names the failures so far; the tail shows the summary
     pytest_run() {
-        python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pytest --durations=15 "$@" 2>&1 \
-            | tee -a "$OUT/tests.log" | tail -60
+        python3 -m pytest -v -rfEs -p no:cacheprovider --basetemp=/tmp/pytest --durations=15 "$@" 2>&1 \
+            | tee -a "$OUT/tests.log" | grep -v " PASSED \| SKIPPED " | tail -60
         return "${PIPESTATUS[0]}"
     }
     [ $# -eq 0 ] || { pytest_run "$@"; exit; }
