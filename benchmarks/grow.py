@@ -38,10 +38,14 @@ def main():
     ap.add_argument("--batches", default="8,8,8,8,9,9,10,10,11,11,12,12,14,14")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--non-reentrant", action="store_true", help="gradient_checkpointing_kwargs use_reentrant False")
-    ap.add_argument("--split", action="store_true", help="synchronize after backward too: forward+backward seconds apart")
+    ap.add_argument("--split", action="store_true",
+                    help="synchronize after backward too: forward+backward seconds apart")
     ap.add_argument("--sync", choices=["device", "compute"], default="device",
                     help="what ends an iteration: every stream idle (torch.cuda.synchronize), or the compute stream "
                          "alone, as a loop that reads its loss (copies on other streams may run on)")
+    ap.add_argument("--sub-group-mb", type=int, default=None,
+                    help="the block's sub_group_mb (its default, 256, where left out): fewer, larger sub-groups "
+                         "mean fewer of DeepSpeed's per-sub-group norms in the step")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
@@ -56,8 +60,11 @@ def main():
     cfg = {"train_micro_batch_size_per_gpu": batches[0], "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
            "steps_per_print": 10**9}
     if BLOCKS[args.mode] is not None:
-        cfg["optimizer_state_offload"] = BLOCKS[args.mode]
-    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        cfg["optimizer_state_offload"] = dict(BLOCKS[args.mode])
+        if args.sub_group_mb is not None:
+            cfg["optimizer_state_offload"]["sub_group_mb"] = args.sub_group_mb
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["intermediate"],
                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                          num_key_value_heads=shape["kv_heads"], max_position_embeddings=args.seq, use_cache=False,
                          torch_dtype=torch.bfloat16)
@@ -101,14 +108,15 @@ def main():
         if handle is not None:
             stats = handle.step_stats() or {}
             row.update(resident=len(handle.resident), streamed=len(handle.order),
-                       **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early", "loaded_in_step",
-                                                   "h2d_wait_s", "update_s", "step_s")},
+                       **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early",
+                                                   "loaded_in_step", "h2d_wait_s", "update_s", "step_s")},
                        divergences=handle.timing.divergences, measurements=handle.timing.measurements,
                        pinned_gib=handle.store.pinned_bytes / 2**30)
         rows.append(row)
         print(f"[grow] {json.dumps(row)}", flush=True)
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
-              "sync": args.sync,
+              "sync": args.sync, "sub_group_mb": args.sub_group_mb,
+              "sub_groups": len(engine.optimizer.fp16_groups),
               "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
               "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
