@@ -248,7 +248,8 @@ def run(args, argv):
         result = run_mode(mode, args, argv, stem if args.rounds == 1 else f"{stem}-round{k + 1}", timeouts[mode.name])
         rounds.setdefault(mode.name, []).append(result)
         results[mode.name] = result if args.rounds == 1 else pool_rounds(rounds[mode.name])
-        brief = {k: v for k, v in result.items() if k not in ("per_iter", "timeline", "per_rank", "profile", "reserved_growth")}
+        long = ("per_iter", "timeline", "per_rank", "profile", "sync_sites", "reserved_growth")
+        brief = {k: v for k, v in result.items() if k not in long}
         tqdm.write(f"{mode.name}: {json.dumps(brief)[:600]}")
         summarize(results, args)  # after every mode: a run cut short keeps what it measured
     summary = summarize(results, args)

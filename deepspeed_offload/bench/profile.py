@@ -3,7 +3,8 @@ iterations of each traced mode under ``torch.profiler``, writes the Chrome trace
 Perfetto) and summarizes the last iteration: when forward, backward and the step ran on the GPU, what
 each stream (compute, DeepSpeed's reduction stream, our copy and side streams) did in each of them, and
 where the CPU waited for the device (``host_waits``: each phase's synchronizing calls by the operator
-that made them; a wait there stops the CPU from queueing more work, so the GPU idles after it).
+that made them; a wait there stops the CPU from queueing more work, so the GPU idles after it). One more
+iteration under torch.cuda's sync debug mode names the Python line of each such call (``sync_sites``).
 
 ``python -m deepspeed_offload.bench.profile TRACE.json.gz`` prints the summary of a saved trace.
 """
@@ -12,6 +13,8 @@ import gzip
 import json
 import os
 import sys
+import traceback
+import warnings
 
 PHASES = ("forward", "backward", "step")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -46,6 +49,78 @@ def profiled(loop, path, iters=2):
         f.write(json.dumps(trace).encode())
     os.remove(raw)
     return summarize(trace)
+
+
+# What torch.cuda's sync debug mode warns with: a stream's or the device's synchronization, a copy that
+# waits for one (``torch.tensor(x, device=...)``, ``.item()``); an event's synchronization is not flagged.
+SYNC_WARNING = "synchronizing CUDA operation"
+
+
+def sync_sites(loop):
+    """One more iteration with ``torch.cuda.set_sync_debug_mode("warn")``: each phase's synchronizing calls
+    by the Python line that made them (``collect_sites``); None off CUDA."""
+    if loop.acc.device_name() != "cuda":
+        return None
+    import torch
+    phase = {"now": None}
+
+    def iteration():
+        phase["now"] = "forward"
+        loss = loop.loss_of(loop.engine)
+        phase["now"] = "backward"
+        loop.engine.backward(loss)
+        phase["now"] = "step"
+        loop.step()
+        phase["now"] = None
+
+    loop.acc.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        return collect_sites(iteration, phase)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        loop.acc.synchronize()
+
+
+def collect_sites(run, phase, match=SYNC_WARNING):
+    """Runs ``run()``; every warning whose text holds ``match`` while ``phase["now"]`` names a phase is
+    counted under that phase and the two innermost frames of the thread that raised it outside torch,
+    the warnings machinery and this module (the line, then its caller): ``{phase: {"path:line function <
+    path:line function": count}}``, most first; outside a phase, not counted. Other warnings go on to
+    where they would have gone."""
+    sites, shown = {}, warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if match not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        if phase["now"] is None:
+            return  # (ours: the debug mode's, between the phases)
+        ours = [f for f in reversed(traceback.extract_stack()) if not _library_frame(f.filename)][:2]
+        key = " < ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in ours) or "?"
+        counts = sites.setdefault(phase["now"], {})
+        counts[key] = counts.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        run()
+    return {p: dict(sorted(c.items(), key=lambda kv: -kv[1])) for p, c in sites.items()}
+
+
+def _library_frame(filename):
+    import torch
+    path = os.path.abspath(filename)
+    return (path.startswith(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+            or path == os.path.abspath(warnings.__file__) or path == os.path.abspath(__file__))
+
+
+def _short(filename):
+    """A path from its package on (``deepspeed/runtime/zero/stage3.py``), else as it is."""
+    parts = filename.split(os.sep)
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return os.sep.join(parts[len(parts) - parts[::-1].index(anchor):])
+    return os.path.relpath(filename) if os.path.isabs(filename) else filename
 
 
 def _union(intervals):
@@ -125,9 +200,9 @@ def summarize(trace):
 def host_waits(events, cpu_ranges):
     """The last iteration's ``HOST_WAITS`` calls, in the phase (the main thread's range, or backward's
     autograd threads between its start and the step's) whose time they fell in: per phase, per call and
-    the innermost operator around it on its thread (``python`` where none: called from Python), how
-    many and their seconds (the innermost three operators, innermost first). Seconds in a profiled iteration are the profiler's (its CPU is slower, so
-    the device has often caught up); the count and the place are what carries over."""
+    the operators around it on its thread (the innermost three, innermost first; ``python`` where none:
+    called from Python), how many and their seconds. Seconds in a profiled iteration are the profiler's
+    (its CPU is slower, so the device has often caught up); the count and the place are what carries over."""
     if not all(p in cpu_ranges for p in PHASES):
         return None
     last = {p: max(cpu_ranges[p]) for p in PHASES}

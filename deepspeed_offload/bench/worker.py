@@ -23,7 +23,7 @@ from . import results
 from .loop import GiB, Loop
 from .models import build_model, llama_classes, make_loss
 from .modes import describe, ds_config
-from .profile import profiled
+from .profile import profiled, sync_sites
 from .timeline import growth, recording, traced
 
 # DeepCompile compiles, profiles and re-applies its passes over the first steps: warm up longer.
@@ -103,7 +103,8 @@ def build_engine(mode, args, acc, progress):
 
 def measure(loop, args, progress):
     """Warm-up and measured iterations, then the pipelined run and, for a traced mode, one traced
-    iteration (``--timeline``) and two profiled ones (``--profile``); the measured iterations' figures.
+    iteration (``--timeline``) and two profiled ones and one under the sync debug mode (``--profile``);
+    the measured iterations' figures.
     With ``--memory-history``, a traced mode's warm-up, measured and pipelined iterations run under
     the allocator's history recorder, and each time it reserved more after the first iteration is listed
     (``reserved_growth``); the times are then the recorder's (slower), and the result says so
@@ -129,6 +130,10 @@ def measure(loop, args, progress):
         os.makedirs(args.profile, exist_ok=True)
         rank = os.environ.get("RANK", "0")
         out["profile"] = profiled(loop, os.path.join(args.profile, f"{loop.mode.file_name()}.rank{rank}.trace.json.gz"))
+        try:  # (a diagnostic after the figures: its failure is recorded, the figures kept)
+            out["sync_sites"] = sync_sites(loop)
+        except Exception as e:
+            out["sync_sites"] = {"error": f"{type(e).__name__}: {e}"}
     out["warmup"] = warmup
     return out
 

@@ -655,12 +655,14 @@ def test_the_worker_trains_a_tiny_llama_on_the_cpu(tmp_path, no_shm_left_behind)
     name made the second fail, EADDRINUSE)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first = start_worker(tmp_path / "a", [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"))
+    first = start_worker(tmp_path / "a", [sys.executable], "stream_overlap", "--timeline", str(tmp_path / "t.png"),
+                         "--profile", str(tmp_path / "prof"))
     second = start_worker(tmp_path / "b", [sys.executable], "colocate_stream", "--grad-ckpt")
     results = finish_worker(*first), finish_worker(*second)
     for r in results:
         check_worker_result(r, 1)
     assert results[0]["timeline"] is None  # asked for, but the allocator trace is CUDA's
+    assert results[0]["profile"] is None and results[0]["sync_sites"] is None  # (CUDA's too)
     assert [r["grad_ckpt"] for r in results] == [False, "non-reentrant"]
     colocation = {k: v for k, v in results[1].items() if k.startswith("colocate_")}
     assert colocation["colocate_offload_s"] > 0 and colocation["colocate_reload_s"] > 0, colocation
@@ -836,6 +838,44 @@ def test_profile_summary_says_where_the_cpu_waited_for_the_device():
         "backward": {"cudaEventSynchronize in python": {"count": 1, "seconds": 5e-05}},
         "step": {"cudaStreamSynchronize in aten::copy_ < aten::_to_copy < aten::to": {"count": 3, "seconds": 6e-06},
                  "cudaHostUnregister in python": {"count": 1, "seconds": 2.5e-05}}}
+
+
+def test_sync_sites_name_the_python_line_of_each_synchronizing_call():
+    """``collect_sites``: the sync debug mode's warnings, by phase and by the two innermost frames outside
+    torch and the warnings machinery (the line that called, then its caller); a warning outside a phase
+    is not counted, and any other warning still reaches the caller's filters."""
+    import inspect
+    import warnings
+    from deepspeed_offload.bench.profile import SYNC_WARNING, collect_sites
+
+    phase = {"now": None}
+
+    def norm_of(group):  # DeepSpeed's get_grad_norm_direct, say: one wait per sub-group
+        warnings.warn("called a " + SYNC_WARNING)
+
+    def norms(groups):
+        for g in range(groups):
+            norm_of(g)
+
+    def run():
+        phase["now"] = "forward"
+        warnings.warn("called a " + SYNC_WARNING)
+        phase["now"] = "step"
+        norms(3)
+        warnings.warn("something else", UserWarning)
+        phase["now"] = None
+        warnings.warn("called a " + SYNC_WARNING)  # (the final synchronize: not a phase's)
+
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        called_at = inspect.currentframe().f_lineno + 1
+        sites = collect_sites(run, phase)
+    here = "tests/unit/test_bench.py"
+    line = {name: inspect.getsourcelines(fn)[1] for name, fn in (("norm_of", norm_of), ("norms", norms), ("run", run))}
+    assert sites == {
+        "forward": {f"{here}:{line['run'] + 2} run < {here}:{called_at} {inspect.currentframe().f_code.co_name}": 1},
+        "step": {f"{here}:{line['norm_of'] + 1} norm_of < {here}:{line['norms'] + 2} norms": 3}}
+    assert [str(w.message) for w in others] == ["something else"]
 
 
 def test_rounds_run_the_modes_in_turn_and_pool_them(tmp_path, monkeypatch):
