@@ -12,6 +12,7 @@ iteration under torch.cuda's sync debug mode names the Python line of each such 
 import gzip
 import json
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -101,7 +102,7 @@ def collect_sites(run, phase, match=SYNC_WARNING):
         counts[key] = counts.get(key, 0) + 1
 
     with warnings.catch_warnings():
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", message=".*" + re.escape(match))  # every one (others: as filtered)
         warnings.showwarning = show
         run()
     return {p: dict(sorted(c.items(), key=lambda kv: -kv[1])) for p, c in sites.items()}
