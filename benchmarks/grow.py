@@ -20,9 +20,11 @@ import time
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 
 import deepspeed_offload
 from deepspeed_offload.bench.models import LLAMA_PRESETS
+from deepspeed_offload.bench.peaks import Peaks
 
 BLOCKS = {"plain": None, "default": {"enabled": True}, "budget0": {"enabled": True, "memory_budget_gb": 0},
           "budget0-nospec": {"enabled": True, "memory_budget_gb": 0, "speculate_memory_gb": 0}}
@@ -78,42 +80,45 @@ def main():
     handle = deepspeed_offload.get_handle(engine)
     setup_s = time.perf_counter() - t0
     rows, oom = [], None
+    peaks = Peaks(get_accelerator())
     counted = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTERS}
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if args.sync == "device" else lambda: torch.cuda.current_stream().synchronize()
-    for k, batch in enumerate(batches):
-        ids = torch.randint(0, shape["vocab"], (batch, args.seq), generator=gen).cuda()
-        sync()  # (compute: what the last iteration left on other streams runs into this one, as in a loop)
-        torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
-        try:
-            loss = engine(input_ids=ids, labels=ids).loss
-            forward_cpu_s = time.perf_counter() - started  # (not synchronized: where the host waited in it)
-            engine.backward(loss)
-            if args.split:
+    # the measured plan resets the peak statistics inside an iteration: its resets fold into ours
+    with peaks.watching():
+        for k, batch in enumerate(batches):
+            ids = torch.randint(0, shape["vocab"], (batch, args.seq), generator=gen).cuda()
+            sync()  # (compute: what the last iteration left on other streams runs into this one, as in a loop)
+            peaks.start()
+            started = time.perf_counter()
+            try:
+                loss = engine(input_ids=ids, labels=ids).loss
+                forward_cpu_s = time.perf_counter() - started  # (not synchronized: where the host waited in it)
+                engine.backward(loss)
+                if args.split:
+                    sync()
+                    backward_s = time.perf_counter() - started
+                engine.step()
                 sync()
-                backward_s = time.perf_counter() - started
-            engine.step()
-            sync()
-        except torch.cuda.OutOfMemoryError as e:
-            oom = {"iteration": k, "batch": batch, "error": str(e).splitlines()[0][:300]}
-            print(f"[grow] out of memory at iteration {k}, batch {batch}: {oom['error']}", flush=True)
-            break
-        row = {"iteration": k, "batch": batch, "s": time.perf_counter() - started,
-               "forward_backward_s": backward_s if args.split else None, "forward_cpu_s": forward_cpu_s,
-               "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-               "reserved_gib": torch.cuda.memory_reserved() / 2**30,
-               **{k: torch.cuda.memory_stats().get(k, 0) - counted.get(k, 0) for k in ALLOCATOR_COUNTERS}}
-        counted = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTERS}
-        if handle is not None:
-            stats = handle.step_stats() or {}
-            row.update(resident=len(handle.resident), streamed=len(handle.order),
-                       **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early",
-                                                   "loaded_in_step", "h2d_wait_s", "update_s", "step_s")},
-                       divergences=handle.timing.divergences, measurements=handle.timing.measurements,
-                       pinned_gib=handle.store.pinned_bytes / 2**30)
-        rows.append(row)
-        print(f"[grow] {json.dumps(row)}", flush=True)
+            except torch.cuda.OutOfMemoryError as e:
+                oom = {"iteration": k, "batch": batch, "error": str(e).splitlines()[0][:300]}
+                print(f"[grow] out of memory at iteration {k}, batch {batch}: {oom['error']}", flush=True)
+                break
+            row = {"iteration": k, "batch": batch, "s": time.perf_counter() - started,
+                   "forward_backward_s": backward_s if args.split else None, "forward_cpu_s": forward_cpu_s,
+                   "peak_allocated_gib": peaks.allocated() / 2**30, "peak_reserved_gib": peaks.reserved() / 2**30,
+                   "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+                   **{k: torch.cuda.memory_stats().get(k, 0) - counted.get(k, 0) for k in ALLOCATOR_COUNTERS}}
+            counted = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTERS}
+            if handle is not None:
+                stats = handle.step_stats() or {}
+                row.update(resident=len(handle.resident), streamed=len(handle.order),
+                           **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early",
+                                                       "loaded_in_step", "h2d_wait_s", "update_s", "step_s")},
+                           divergences=handle.timing.divergences, measurements=handle.timing.measurements,
+                           pinned_gib=handle.store.pinned_bytes / 2**30)
+            rows.append(row)
+            print(f"[grow] {json.dumps(row)}", flush=True)
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
               "sync": args.sync, "sub_group_mb": args.sub_group_mb,
               "sub_groups": len(engine.optimizer.fp16_groups),

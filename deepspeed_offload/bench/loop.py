@@ -9,10 +9,11 @@ import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..handle import get_handle
+from .peaks import Peaks
 
 GiB = 2**30
 SPECULATION_COUNTS = ("speculated", "committed", "discarded")  # per iteration, with speculation on
@@ -29,6 +30,10 @@ class Loop:
     loss_of: Callable  # engine -> the loss of one forward
     acc: Any  # DeepSpeed's accelerator
     mode: Any  # the Mode being measured
+    peaks: Peaks = field(init=False)  # (the runtime resets the peak statistics too: measure within peaks.watching())
+
+    def __post_init__(self):
+        self.peaks = Peaks(self.acc)
 
     def step(self):
         """``engine.step()``; with ``reload_states`` (the offload_states mode) the state comes back
@@ -51,9 +56,9 @@ class Loop:
         """One synchronized iteration: its times and memory peaks (peak stats reset at its start and
         again after backward). ``marks`` (a dict) gets the clock at the start of forward, backward and
         step and at the end."""
-        acc = self.acc
+        acc, peaks = self.acc, self.peaks
         acc.synchronize()
-        acc.reset_peak_memory_stats()
+        peaks.start()
         t0 = time.perf_counter()
         self._mark(marks, "forward")
         loss = self.loss_of(self.engine)
@@ -61,18 +66,18 @@ class Loop:
         self.engine.backward(loss)
         acc.synchronize()
         t_bwd = time.perf_counter()
-        peak_fwd_bwd = acc.max_memory_allocated()
-        reserved_fwd_bwd = acc.max_memory_reserved()
-        acc.reset_peak_memory_stats()
+        peak_fwd_bwd = peaks.allocated()
+        reserved_fwd_bwd = peaks.reserved()
+        peaks.start()
         self._mark(marks, "step")
         self.step()
         acc.synchronize()
         t1 = time.perf_counter()
         self._mark(marks, "end")
-        peak_step = acc.max_memory_allocated()
+        peak_step = peaks.allocated()
         # Reserved too: a block freed while a copy stream still uses it stops counting as allocated
         # at once, but the allocator cannot hand it out again before that copy ends.
-        reserved = max(reserved_fwd_bwd, acc.max_memory_reserved())
+        reserved = max(reserved_fwd_bwd, peaks.reserved())
         return {"iter_s": t1 - t0, "step_s": t1 - t_bwd, "fwd_bwd_s": t_bwd - t0, "peak_step_GiB": peak_step / GiB,
                 "peak_fwd_bwd_GiB": peak_fwd_bwd / GiB, "peak_iter_GiB": max(peak_fwd_bwd, peak_step) / GiB,
                 "peak_reserved_GiB": reserved / GiB,
@@ -97,7 +102,7 @@ class Loop:
         events = acc.device_name() != "cpu" and acc.Event is not None
         stamps = []
         acc.synchronize()
-        acc.reset_peak_memory_stats()
+        self.peaks.start()
         t0 = time.perf_counter()
         for _ in range(iters):
             stamps.append(self._stamp(events))
@@ -108,8 +113,8 @@ class Loop:
         wall = (time.perf_counter() - t0) / iters
         # The peaks of real training: a write-back still running in the next forward holds its
         # buffers (allocated until the allocator sees the copy end), which synchronized iterations never show.
-        peaks = {"pipelined_peak_GiB": acc.max_memory_allocated() / GiB,
-                 "pipelined_peak_reserved_GiB": acc.max_memory_reserved() / GiB}
+        peaks = {"pipelined_peak_GiB": self.peaks.allocated() / GiB,
+                 "pipelined_peak_reserved_GiB": self.peaks.reserved() / GiB}
         if events:
             per = [a.elapsed_time(b) / 1e3 for a, b in zip(stamps, stamps[1:])]
         else:

@@ -148,7 +148,8 @@ def run_mode(mode, args, acc, progress):
     engine, nparams = build_engine(mode, args, acc, progress)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     loop = Loop(engine, make_loss(args, acc.current_device_name()), acc, mode)
-    out = measure(loop, args, progress)
+    with loop.peaks.watching():  # the runtime's own resets of the peak statistics fold into the iterations'
+        out = measure(loop, args, progress)
     out.update(progress.facts, iters=args.iters, state_GiB=state_bytes_per_rank(nparams, 1) / GiB)
     handle = deepspeed_offload.get_handle(engine)
     if mode.checkpoint:

@@ -840,6 +840,48 @@ def test_profile_summary_says_where_the_cpu_waited_for_the_device():
                  "cudaHostUnregister in python": {"count": 1, "seconds": 2.5e-05}}}
 
 
+def test_peaks_hold_through_the_runtimes_own_resets():
+    """The measured plan resets the accelerator's peak statistics inside an iteration (DeviceMemory,
+    the load policy's intervals): within ``Peaks.watching()`` each such reset folds the peak so far in,
+    so the iteration's peak is its own (here 9 GiB, before the runtime's reset), not the 5 GiB after
+    it; ``start()`` begins a new span; the accelerator's method is its class's again afterwards."""
+    from deepspeed_offload.bench.peaks import Peaks
+
+    class Acc:  # the accelerator's peak statistics
+        def __init__(self):
+            self.now = self.peak = self.reserved_peak = 0
+
+        def allocate(self, n):
+            self.now += n
+            self.peak, self.reserved_peak = max(self.peak, self.now), max(self.reserved_peak, self.now + 1)
+
+        def reset_peak_memory_stats(self):
+            self.peak = self.reserved_peak = self.now
+
+        def max_memory_allocated(self):
+            return self.peak
+
+        def max_memory_reserved(self):
+            return self.reserved_peak
+
+    acc = Acc()
+    runtime_resets = acc  # the runtime holds the same accelerator object
+    peaks = Peaks(acc)
+    with peaks.watching():
+        acc.allocate(4)
+        peaks.start()
+        acc.allocate(5)  # 9 allocated: the iteration's peak
+        acc.allocate(-6)
+        runtime_resets.reset_peak_memory_stats()  # the measured plan's interval
+        acc.allocate(2)  # 5
+        assert (peaks.allocated(), peaks.reserved()) == (9, 10)
+        assert acc.max_memory_allocated() == 5  # what the statistics alone would say
+        peaks.start()
+        acc.allocate(1)
+        assert (peaks.allocated(), peaks.reserved()) == (6, 7)
+    assert "reset_peak_memory_stats" not in vars(acc)
+
+
 def test_sync_sites_name_the_python_line_of_each_synchronizing_call():
     """``collect_sites``: the sync debug mode's warnings, by phase and by the two innermost frames outside
     torch and the warnings machinery (the line that called, then its caller), each time, whatever the
