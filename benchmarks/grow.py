@@ -23,7 +23,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 import deepspeed_offload
-from deepspeed_offload.bench.models import LLAMA_PRESETS
+from deepspeed_offload.bench.models import LLAMA_PRESETS, enable_checkpointing
 from deepspeed_offload.bench.peaks import Peaks
 
 BLOCKS = {"plain": None, "default": {"enabled": True}, "budget0": {"enabled": True, "memory_budget_gb": 0},
@@ -74,7 +74,7 @@ def main():
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = LlamaForCausalLM(config)
     # the style asked for explicitly: transformers 4 defaults to reentrant, transformers 5 to non-reentrant
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": not args.non_reentrant})
+    enable_checkpointing(model, reentrant=not args.non_reentrant)
     optimizer = FusedAdam(model.parameters(), lr=1e-5)
     engine, _, _, _ = deepspeed_offload.initialize(model=model, optimizer=optimizer, config=cfg)
     handle = deepspeed_offload.get_handle(engine)

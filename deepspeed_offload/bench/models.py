@@ -83,8 +83,20 @@ def build_llama(args):
     model = LlamaForCausalLM(config)
     style = getattr(args, "grad_ckpt", None)
     if style:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": style == "reentrant"})
+        enable_checkpointing(model, reentrant=style == "reentrant")
     return model
+
+
+def enable_checkpointing(model, reentrant: bool):
+    """Checkpointing on every decoder layer of a Hugging Face model, in the style asked. transformers
+    5.25 renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` (the old name
+    warns, until v6 removes it): the new one where the model has it."""
+    kwargs = {"use_reentrant": reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def llama_classes():

@@ -840,6 +840,22 @@ def test_profile_summary_says_where_the_cpu_waited_for_the_device():
                  "cudaHostUnregister in python": {"count": 1, "seconds": 2.5e-05}}}
 
 
+def test_the_llama_is_checkpointed_in_the_style_asked_without_the_deprecated_call():
+    """``--grad-ckpt reentrant|non-reentrant``: every decoder layer checkpointed with that
+    ``use_reentrant``, through ``activation_checkpointing_enable`` where transformers has it (its old
+    name warns from 5.25 on); off without the flag."""
+    import warnings
+    for style, reentrant in (("reentrant", True), ("non-reentrant", False)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model = models.build_llama(parse(*TINY_LLAMA, "--grad-ckpt", style))
+        layers = model.model.layers
+        assert all(layer.gradient_checkpointing for layer in layers)
+        assert {layer._gradient_checkpointing_func.keywords["use_reentrant"] for layer in layers} == {reentrant}
+        assert not [w for w in seen if "checkpointing_enable" in str(w.message)], [str(w.message) for w in seen]
+    assert not any(layer.gradient_checkpointing for layer in models.build_llama(parse(*TINY_LLAMA)).model.layers)
+
+
 def test_peaks_hold_through_the_runtimes_own_resets():
     """The measured plan resets the accelerator's peak statistics inside an iteration (DeviceMemory,
     the load policy's intervals): within ``Peaks.watching()`` each such reset folds the peak so far in,
