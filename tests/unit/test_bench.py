@@ -821,7 +821,8 @@ def test_profile_summary_says_where_the_cpu_waited_for_the_device():
     for it in (0, 1000):  # forward 0-100, backward 100-600 (autograd's thread 2), step 600-900, main thread 1
         events += [x("user_annotation", "forward", it, 100, 1), x("user_annotation", "backward", it + 100, 20, 1),
                    x("user_annotation", "step", it + 600, 300, 1), x("gpu_user_annotation", "forward", it + 5, 100, 7),
-                   x("gpu_user_annotation", "backward", it + 105, 500, 7), x("gpu_user_annotation", "step", it + 605, 300, 7)]
+                   x("gpu_user_annotation", "backward", it + 105, 500, 7),
+                   x("gpu_user_annotation", "step", it + 605, 300, 7)]
         for k in range(3):  # per sub-group: torch.tensor(-1.0, device=...) in DeepSpeed's norm
             t = it + 610 + 10 * k
             events += [x("cpu_op", "aten::to", t, 8, 1), x("cpu_op", "aten::_to_copy", t + 1, 6, 1),
