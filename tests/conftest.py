@@ -1,7 +1,10 @@
 """Fixtures every test directory shares: the /dev/shm files DeepSpeed's CPU all-reduce leaves behind
 (one per rank, never unlinked) are removed after each test, unless a live process still maps them
-(the ranks of a launch of another test session on this machine): each launch makes its own."""
+(the ranks of a launch of another test session on this machine): each launch makes its own.
+With ``DS_OFFLOAD_FAILURES_LOG`` set (scripts/gpu.sh sets it), each failure's report is appended to
+that file as the test ends, so a run cut off midway still says why its failures failed."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -38,3 +41,11 @@ def no_shm_left_behind():
     """After each test (and module-scoped launches, at the first test after them)."""
     yield
     remove_unused(_shm_files())
+
+
+def pytest_runtest_logreport(report):
+    """The controlling process only (pytest-xdist's workers forward their reports to it)."""
+    path = os.environ.get("DS_OFFLOAD_FAILURES_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
