@@ -81,8 +81,8 @@ tests)
         return "${PIPESTATUS[0]}"
     }
     [ $# -eq 0 ] || { pytest_run "$@"; exit; }
-    # 8 at a time: the compile-mode parity runs fix the free memory DeepCompile plans from, so
-    # other tests' processes on the GPU no longer change what they compile
+    # 8 at a time on a shared GPU (each test launches its own processes): a failure seen only here,
+    # run it again alone (`gpu.sh tests TEST`) before reading it as a regression
     pytest_run tests/e2e tests/unit/test_residency.py tests/unit/test_env.py -n 8 -m "gpu or gpu2 or anyaccel"
     exit ;;
 worker)
