@@ -74,9 +74,11 @@ tests)
     build_ops
     # CI runs the unit tests on the CPU; with them this did not finish in 400 s on the H200
     # -v: each test's outcome is a line of tests.log as it ends, so a log cut off mid-run (the machine
-    # taken back) still names the failures so far, and failures.log holds their reports; the tail shows the summary
+    # taken back) still names the failures so far, and failures.log holds their reports (tests/conftest.py);
+    # the tail shows the summary
     pytest_run() {
-        DS_OFFLOAD_FAILURES_LOG=$OUT/failures.log python3 -m pytest -v -rfEs -p no:cacheprovider --basetemp=/tmp/pytest --durations=15 "$@" 2>&1 \
+        DS_OFFLOAD_FAILURES_LOG=$OUT/failures.log \
+            python3 -m pytest -v -rfEs -p no:cacheprovider --basetemp=/tmp/pytest --durations=15 "$@" 2>&1 \
             | tee -a "$OUT/tests.log" | grep -v " PASSED \| SKIPPED " | tail -60
         return "${PIPESTATUS[0]}"
     }
