@@ -119,7 +119,8 @@ queue)
             echo "$(date +%T) start job$k: $job" >> '"$Q"'/queue.log
             t=$SECONDS
             OUT="$d" BENCH_DIR="$d/bench" bash scripts/gpu.sh $job > "$d/log" 2>&1
-            echo "$(date +%T) end job$k: rc $? in $((SECONDS - t)) s" >> '"$Q"'/queue.log
+            rc=$?  # (read before the line below: its $(date) would set $? to its own)
+            echo "$(date +%T) end job$k: rc $rc in $((SECONDS - t)) s" >> '"$Q"'/queue.log
         done < '"$Q"'/jobs
         echo done >> '"$Q"'/queue.log' > /dev/null 2>&1 < /dev/null &
     echo "queue started: $(grep -c . "$Q/jobs") job(s)" ;;

@@ -49,6 +49,7 @@ def run(spec, offload):
     x = torch.randn(spec["tokens"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, spec["vocab"], (spec["tokens"], ), device="cuda")
     peaks, reserved, resident, seconds = [], [], [], []
+    plan_by_step = []  # after each step: (measurements, the plan's give-backs, its margin in bytes)
     oom_at = None
     late = spec.get("late_block_from")  # the last block is used from this step on only (hooks that change)
     handle = deepspeed_offload.get_handle(engine)
@@ -75,6 +76,9 @@ def run(spec, offload):
         peaks.append(torch.cuda.max_memory_allocated())
         reserved.append(torch.cuda.memory_reserved())  # (the reserved peak: the allocator never gives any back)
         resident.append(len(handle.resident))
+        plan = handle.plan
+        plan_by_step.append((handle.timing.measurements, None if plan is None else plan.give_backs,
+                             None if plan is None else plan.margin))
     stats = handle.step_stats()
     spec_counters = None if handle.speculation is None else \
         dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members))
@@ -84,7 +88,7 @@ def run(spec, offload):
            "speculation": spec_counters, "resident": resident, "seconds": seconds, "oom_at": oom_at,
            "give_backs": None if handle.plan is None else handle.plan.give_backs,
            "limit": None if handle.plan is None else handle.plan.limit,
-           "margin": None if handle.plan is None else handle.plan.margin}
+           "margin": None if handle.plan is None else handle.plan.margin, "plan_by_step": plan_by_step}
     del engine, handle, model
     gc.collect()
     torch.cuda.empty_cache()

@@ -86,10 +86,14 @@ def test_the_measured_plan_keeps_what_fits_and_gives_back_when_the_shapes_grow(t
     spec = dict(SPEC, tokens=4096, steps=10, grow_at=6, grow_to=6144)
     run, = _runs(tmp_path, "grow", spec, [block])
     resident = run["resident"]
-    print(f"resident sub-groups per step: {resident}; reserved GiB: {[round(r / 2**30, 2) for r in run['reserved']]}")
+    reserved = [round(r / 2**30, 2) for r in run["reserved"]]
+    summary = (f"resident sub-groups per step: {resident}; reserved GiB: {reserved}"
+               f"; (measurements, give-backs, margin) per step: {run['plan_by_step']}; limit {run['limit']}")
+    print(summary)
+    (tmp_path / "summary.txt").write_text(summary + "\n")
     # (recorded after each step: the plan acts right after the second, the measured one)
-    assert resident[0] == 0 and max(resident[1:6]) > 0, resident  # kept after the measurement
-    assert min(resident[6:]) < max(resident[2:6]), resident  # given back once the shapes grew
+    assert resident[0] == 0 and max(resident[1:6]) > 0, summary  # kept after the measurement
+    assert min(resident[6:]) < max(resident[2:6]), summary  # given back once the shapes grew
     assert run["measurements"] >= 2, run
     assert max(run["reserved"][:6]) <= run["limit"], (run["reserved"], run["limit"])
 

@@ -700,23 +700,30 @@ def test_gpu_a_joined_buffer_is_reused_while_the_side_stream_still_runs(used_by)
     from deepspeed_offload.runtime.staging.copies import AsyncCopies
     copies = AsyncCopies()
     numel = {torch.float32: 1 << 22}
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    bufs, ready = copies.alloc(numel, used_by="joined")
-    ptr = bufs[torch.float32].data_ptr()
-    with copies.side():
-        copies.compute_waits(ready)
-        torch.cuda._sleep(SPIN)  # the side stream still runs when the host drops the buffer
-        bufs[torch.float32].fill_(1.0)
-    if used_by == "released":
-        copies.free(*bufs.values())
-    else:
-        copies.join_side()
-    del bufs
-    again, _ = copies.alloc(numel, used_by="joined")
-    reused = again[torch.float32].data_ptr() == ptr
-    again[torch.float32].fill_(2.0)  # on the compute stream
-    torch.cuda.synchronize()
+    # The case holds only where the side stream still ran when the block was asked for again: a host held
+    # up for longer than the spin (a loaded machine) tries again with a longer one.
+    for spin in (SPIN, 4 * SPIN, 16 * SPIN):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        bufs, ready = copies.alloc(numel, used_by="joined")
+        ptr = bufs[torch.float32].data_ptr()
+        with copies.side():
+            copies.compute_waits(ready)
+            torch.cuda._sleep(spin)  # the side stream still runs when the host drops the buffer
+            bufs[torch.float32].fill_(1.0)
+        if used_by == "released":
+            copies.free(*bufs.values())
+        else:
+            copies.join_side()
+        del bufs
+        again, _ = copies.alloc(numel, used_by="joined")
+        side_ran = not copies.side_stream.query()  # still running after the allocation: it ran during it
+        reused = again[torch.float32].data_ptr() == ptr
+        again[torch.float32].fill_(2.0)  # on the compute stream
+        torch.cuda.synchronize()
+        if side_ran:
+            break
+    assert side_ran, "the side stream ended before the host asked for the block again, at every spin"
     assert reused == (used_by == "joined"), ("the joined block was not reused" if used_by == "joined" else
                                              "the block was reused while the side stream still ran")
     assert bool((again[torch.float32] == 2.0).all()), "the side stream's write landed after the compute stream's"
