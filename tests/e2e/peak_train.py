@@ -49,7 +49,10 @@ def run(spec, offload):
     x = torch.randn(spec["tokens"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, spec["vocab"], (spec["tokens"], ), device="cuda")
     peaks, reserved, resident, seconds = [], [], [], []
-    plan_by_step = []  # after each step: (measurements, the plan's give-backs, its margin in bytes)
+    # after each step: (measurements, the plan's give-backs, its margin, what the step reserved, the early
+    # loads held back: bytes)
+    plan_by_step = []
+    allocator_by_step = []  # after each step: sub-groups loaded early, the allocator's segments, its split free bytes
     oom_at = None
     late = spec.get("late_block_from")  # the last block is used from this step on only (hooks that change)
     handle = deepspeed_offload.get_handle(engine)
@@ -78,7 +81,11 @@ def run(spec, offload):
         resident.append(len(handle.resident))
         plan = handle.plan
         plan_by_step.append((handle.timing.measurements, None if plan is None else plan.give_backs,
-                             None if plan is None else plan.margin))
+                             None if plan is None else plan.margin, None if plan is None else plan.last_reserved,
+                             None if plan is None else plan.held_back))
+        ms = torch.cuda.memory_stats()
+        allocator_by_step.append((handle.step_stats()["loaded_early"], ms["segment.all.current"],
+                                  round(ms["inactive_split_bytes.all.current"] / 2**30, 2)))
     stats = handle.step_stats()
     spec_counters = None if handle.speculation is None else \
         dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members))
@@ -88,7 +95,8 @@ def run(spec, offload):
            "speculation": spec_counters, "resident": resident, "seconds": seconds, "oom_at": oom_at,
            "give_backs": None if handle.plan is None else handle.plan.give_backs,
            "limit": None if handle.plan is None else handle.plan.limit,
-           "margin": None if handle.plan is None else handle.plan.margin, "plan_by_step": plan_by_step}
+           "margin": None if handle.plan is None else handle.plan.margin, "plan_by_step": plan_by_step,
+           "allocator_by_step": allocator_by_step}
     del engine, handle, model
     gc.collect()
     torch.cuda.empty_cache()

@@ -310,9 +310,10 @@ def test_parity_two_ranks(two_rank_runs, case):
 # The measured plan on a device whose figures the test scripts (parity_train.ScriptedMemory): 300 kB, a
 # 20 kB margin, 100 kB that every iteration holds, 300 bytes of activations per input element. Batch 4
 # (128 elements) leaves room for all the state (~25 kB a rank); batch 16 (512) does not. The plan
-# measures step 2 and keeps everything resident; before step 5's forward it gives everything back; two
-# steps of batch 4 later (``recent``: 2) it measures again and takes it all back.
-FOLLOW = dict(dtype="bf16", sub_group_size=1, clip=1e9, steps=10, batch_by_step=[4, 4, 4, 4, 16, 16, 4, 4, 4, 4],
+# measures step 2, decides after step 3 and keeps everything resident; before step 5's forward it gives
+# everything back; two steps of batch 4 later (``recent``: 2) it measures again (step 9), and after step
+# 10 takes it all back.
+FOLLOW = dict(dtype="bf16", sub_group_size=1, clip=1e9, steps=12, batch_by_step=[4] * 4 + [16] * 2 + [4] * 6,
               scripted_memory=dict(limit=300_000, margin=20_000, fixed=100_000, per_element=300, recent=2))
 
 
@@ -328,21 +329,21 @@ def test_the_measured_plan_follows_the_batch_and_every_step_closes(tmp_path):
     plain, ours = out["variants"]
     assert_bitwise_equal(plain, ours)
     n = len(ours["handle"]["order"]) + len(ours["handle"]["resident"])
-    assert ours["steps_counted"] == list(range(1, 11))  # every step closed once, whatever was resident
+    assert ours["steps_counted"] == list(range(1, 13))  # every step closed once, whatever was resident
     stats = ours["step_stats"]
-    assert [s["input_numel"] for s in stats] == [128] * 4 + [512] * 2 + [128] * 4
+    assert [s["input_numel"] for s in stats] == [128] * 4 + [512] * 2 + [128] * 6
     resident = [p["resident"] for p in ours["plan"]]
-    assert resident == [0] + [n] * 3 + [0] * 4 + [n] * 2, resident
+    assert resident == [0, 0] + [n] * 2 + [0] * 5 + [n] * 3, resident
     # what each step streamed: everything until the plan kept it, nothing while it is all resident
-    assert [s["offloaded"] for s in stats] == [n, n, 0, 0, n, n, n, n, n, 0], stats
-    assert [s["resident"] for s in stats] == [0, 0, n, n, 0, 0, 0, 0, 0, n], stats
+    assert [s["offloaded"] for s in stats] == [n] * 3 + [0] + [n] * 6 + [0] * 2, stats
+    assert [s["resident"] for s in stats] == [0] * 3 + [n] + [0] * 6 + [n] * 2, stats
     assert all(s["step_s"] is not None and s["iteration_s"] >= s["step_s"] for s in stats), stats
     plan = ours["plan"]
     assert plan[4]["give_backs"] == 1 and plan[7]["take_backs"] == 1, plan
     # given back before step 5: every offloaded sub-group speculates again, from its second region
     assert plan[5]["members"] == list(range(n)) and set(plan[5]["twins"]) == set(range(n)), plan[5]
     assert stats[5]["speculated"] == n and stats[5]["committed"] == n, stats[5]
-    assert plan[5]["released"] == [] and plan[9]["released"] == list(range(n)), plan
+    assert plan[5]["released"] == [] and plan[10]["released"] == list(range(n)), plan
 
 
 @needs_two_ranks

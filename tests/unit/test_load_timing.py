@@ -358,3 +358,33 @@ def test_where_the_step_is_the_peak_what_backward_gives_back_still_loads_early()
     assert [s[0] for s in seen] == [0, 0, 0]  # the old bound: nothing may load
     assert [s[1] for s in seen] == [40, 50, 60] and [s[2] for s in seen] == [0, 0, 0], seen
     assert dev.true_peak <= timing.peak_off
+
+
+def test_what_the_plan_holds_back_comes_off_every_allowance():
+    """The measured plan, with nothing left to give back, takes ``held_back`` bytes off what early loads
+    may hold: they load that much less (the peak stays where it was); all of it held back is the iteration
+    with overlap off."""
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    iteration(dev, timing, fits)
+    peak_off, _, _ = iteration(dev, timing, fits)  # the measured one
+    _, _, early = iteration(dev, timing, fits)
+    timing.held_back = 10
+    peak, _, held = iteration(dev, timing, fits)
+    assert 0 < held <= early - 10 and peak <= peak_off
+    timing.held_back = 10**6
+    _, _, none = iteration(dev, timing, fits)
+    assert none == 0 and timing.step_allowance() == 0
+
+
+def test_the_largest_allowance_is_the_most_early_loads_hold_in_a_like_backward():
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    assert timing.largest_allowance() == 0  # nothing measured yet
+    iteration(dev, timing, fits)
+    iteration(dev, timing, fits)  # the measured one
+    seen = []
+    iteration(dev, timing, lambda room: seen.append(room) or 0)
+    assert max(seen) == timing.largest_allowance() > 0

@@ -127,3 +127,87 @@ def test_the_plan_settles_where_the_allocator_reserves_more_than_the_state():
                                                 streamed[len(plan.promoted):], nbytes)
     assert plan.give_backs <= 2 and moves <= 3, (plan.give_backs, moves)
     assert iteration(int(130.59 * GiB) - overhead) <= limit - plan.margin // 2
+
+
+class _Timing:
+    def __init__(self):
+        self.measurements, self.measuring, self.held_back, self.remeasured = 0, False, 0, 0
+
+    def largest_allowance(self):
+        return 3 * GiB  # the most the early loads hold at any point of backward
+
+    def remeasure(self):
+        self.measuring, self.remeasured = True, self.remeasured + 1
+
+
+class _Memory:
+    def __init__(self):
+        self.reserved, self.emptied = 0, 0
+
+    def memory_reserved(self):
+        return self.reserved
+
+    def empty_cache(self):
+        self.emptied += 1
+
+
+class _Probe:
+    total = 10 * GiB
+
+    def nbytes(self, i):
+        return GiB
+
+    def resident_bytes(self, k):
+        return k * GiB
+
+
+class _Mode:
+    """What ``MeasuredPlan.between_steps`` reads of stream mode: ten streamed sub-groups of 1 GiB."""
+
+    def __init__(self):
+        self.timing, self.memory, self.probe = _Timing(), _Memory(), _Probe()
+        self.resident, self.order, self.forward_level = [], list(range(10)), None
+        self.cfg = type("Cfg", (), {"max_device_memory_gb": 20})()
+
+    def step(self, reserved, measured=False):
+        """One applied step that left ``reserved`` bytes reserved; what the plan does after it."""
+        self.memory.reserved = reserved
+        if measured:
+            self.timing.measurements += 1
+            self.timing.measuring = False
+        k = self.plan.between_steps(self, type("Step", (), {"input_numel": 0})())
+        if k is not None:
+            self.resident = list(range(k))
+        return k
+
+
+def test_the_plan_decides_on_the_iteration_after_the_measurement():
+    """The measured iteration (no early loads) reserved 10 GiB; the next, with early loads and updates in
+    backward, 15: the plan keeps resident what fits beside the 15 (on the measured 10 it would have made
+    nine sub-groups resident, and the iterations would reserve 24 GiB of the 20)."""
+    mode = _Mode()
+    mode.plan = MeasuredPlan(limit=20 * GiB, margin=GiB)
+    assert mode.step(10 * GiB, measured=True) is None  # decided on the next one
+    assert mode.step(15 * GiB) == 4 and mode.plan.held_back == 0  # 20 - 1 - 15: four of 1 GiB
+    assert mode.step(19 * GiB) is None  # as planned: within the limit less half the margin
+    assert mode.step(int(19.8 * GiB)) == 2  # 0.3 GiB past it: that and half the widened margin go back
+    assert mode.timing.remeasured == 1 and mode.plan.give_backs == 1
+
+
+def test_with_nothing_to_give_back_the_early_loads_give_way():
+    """Everything offloaded, the iteration with early loads reserves more than the limit less the margin:
+    the plan has nothing of its own to give back, so what is missing comes off the early loads, the
+    cache is emptied and the next iteration decided on again; when memory comes back, so do they."""
+    mode = _Mode()
+    mode.plan = MeasuredPlan(limit=20 * GiB, margin=GiB)
+    mode.step(10 * GiB, measured=True)
+    assert mode.step(21 * GiB) is None  # 2 GiB over the limit less the margin, nothing resident
+    assert mode.plan.held_back == mode.timing.held_back == 2 * GiB and mode.memory.emptied == 1
+    assert mode.step(17 * GiB) is None  # decided again: fits, and what the early loads gave up stays theirs
+    assert mode.plan.held_back == 2 * GiB and mode.memory.emptied == 1 and mode.resident == []
+    assert mode.step(20 * GiB) is None  # a later iteration past half the margin: held back further,
+    assert mode.plan.held_back == 3 * GiB and mode.plan.margin > GiB and mode.memory.emptied == 2  # to all
+    assert mode.step(20 * GiB) is None  # nothing more to hold back: the cache is left as it is
+    assert mode.plan.held_back == 3 * GiB and mode.memory.emptied == 2
+    mode.plan.memory_returned(mode)
+    assert mode.plan.held_back == mode.timing.held_back == 0

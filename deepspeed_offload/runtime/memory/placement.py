@@ -2,12 +2,14 @@
 
 Placement is a number per rank: the first ``resident`` sub-groups (in step order) keep their state
 on the device, the rest live in the host store. At attach the node's host plan decides it
-(``node_plan.py``); after the measuring iteration (``MeasuredPlan``, budget unset, on a device with
-memory of its own) the iteration's reserved peak is known with the state offloaded, so the plan keeps
-resident as many more of the streamed sub-groups as fit below the device limit (``max_device_memory_gb``,
-or what this process can have of the device) less ``MARGIN`` and less what the largest input of the
-last ``RECENT_STEPS`` steps needs beyond the measured one. Early loads, speculation's updates and the
-staging slots were in that peak; each sub-group made resident adds its bytes to it.
+(``node_plan.py``); after a measurement (``LoadTiming``'s iteration without early loads, budget
+unset, on a device with memory of its own) the plan decides on the iteration after it, the first
+that runs as training will (early loads and updates in backward, whose buffers make the allocator
+reserve more than the measured iteration did): with that iteration's reserved memory, it keeps
+resident as many more of the streamed sub-groups as fit below the device limit
+(``max_device_memory_gb``, or what this process can have of the device) less ``MARGIN`` and less
+what the largest input of the last ``RECENT_STEPS`` steps needs beyond this one's. Each sub-group
+made resident adds its bytes to that figure.
 
 The placement follows the input while training runs. Every applied step teaches ``IterationMemory``
 (``iteration_memory.py``) what an iteration needs beside the state for its input's size. Before a
@@ -15,10 +17,13 @@ training forward whose input is larger than the placement was made for, ``before
 its need and, where it does not fit beside the resident state, gives back what the plan made
 resident (last first) before the forward runs. When the large inputs leave the recent window, or
 ``reload_states()`` gives memory back, the plan empties the device's cache and measures again, and
-the measurement takes state back. As a last resort, when an iteration reserves more than the limit
-less half the margin (the allocator reserving more around the resident state than its bytes), the
-plan gives back enough to restore the margin after the step, widens its margin by what it missed and
-measures again. ``resplit.py`` moves the state; this module only decides. What remains: a first
+the decision after it takes state back. As a last resort, when an iteration reserves more than the
+limit less half the margin (the allocator reserving more around the resident state than its bytes),
+the plan gives back enough to restore the margin after the step, widens its margin by what it missed
+and measures again. Where the plan has made nothing resident that it could give back, the early
+loads give way instead: ``held_back`` bytes come off what they may hold (``LoadTiming.held_back``;
+all of it: the iteration of overlap off, which the measurement showed fits), until the inputs shrink
+or memory comes back. ``resplit.py`` moves the state; this module only decides. What remains: a first
 iteration larger than the device allows (nothing has been measured yet), and an input whose need
 grows faster than the fit's power of two.
 """
@@ -54,7 +59,7 @@ class MeasuredPlan:
     limit: int
     margin: int
     promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
-    measured_peak: Optional[int] = None  # the last measurement's reserved peak
+    measured_peak: Optional[int] = None  # the reserved peak the last decision was made on
     iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
     give_backs: int = 0  # iterations after which state went back to the host
     take_backs: int = 0  # times the largest recent input shrank below the one the plan was made for
@@ -62,30 +67,36 @@ class MeasuredPlan:
     needs: IterationMemory = field(default_factory=IterationMemory)
     planned_numel: int = 0  # the largest input the placement was made for (0: the measured one's)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # the last steps' inputs
+    held_back: int = 0  # bytes the early loads may not hold, where nothing was left to give back
+    last_reserved: int = 0  # what the last applied step left reserved (before any emptying)
     _measurements_seen: int = 0
+    _deciding: bool = False  # a measurement finished: decide after the next iteration
 
     def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
                           resident_bytes: int = 0, extra: int = 0) -> Tuple[List[int], List[int]]:
-        """The measured iteration reserved ``peak_reserved`` with ``streamed`` (step order) offloaded and
-        ``resident_bytes`` of state resident; ``extra``: what the largest recent input needs beyond the
-        measured one. (Sub-groups to make resident, a prefix of ``streamed`` that fits below the limit
-        less the margin and ``extra``; sub-groups to give back, the last made resident first, where the
-        peak is above it.)"""
+        """The iteration decided on reserved ``peak_reserved`` with ``streamed`` (step order) offloaded and
+        ``resident_bytes`` of state resident; ``extra``: what the largest recent input needs beyond its
+        input. (Sub-groups to make resident, a prefix of ``streamed`` that fits below the limit less the
+        margin and ``extra``, none while early loads are held back; sub-groups to give back, the last
+        made resident first, where the peak is above it.)"""
         self.measured_peak = peak_reserved
         self.iteration = peak_reserved - resident_bytes
         room = self.limit - self.margin - peak_reserved - extra
         if room < 0:
-            return [], self._give_back(-room, nbytes)
+            return [], self._make_room(-room, nbytes)
+        if self.held_back:
+            return [], []  # what holding the early loads back freed is theirs, not the state's
         out = fitting_prefix(streamed, nbytes, room)
         self.promoted += out
         return out, []
 
     def between_steps(self, mode, step) -> Optional[int]:
         """After ``step`` of ``mode`` (stream mode) was applied: learn what it needed beside the state,
-        read a new measurement, or the memory the iteration reserved, and return how many of the first
-        sub-groups should be resident from now on (None: as they are). Giving state back empties the
-        device's cache and asks for a measurement; so does the largest recent input shrinking below the
-        one the placement was made for (the state may come back)."""
+        decide on the iteration after a measurement, or read the memory the iteration reserved, and
+        return how many of the first sub-groups should be resident from now on (None: as they are).
+        Giving state back empties the device's cache and asks for a measurement; so does the largest
+        recent input shrinking below the one the placement was made for (the state may come back);
+        holding early loads back empties the cache, and the next iteration is decided on again."""
         probe, resident = mode.probe, len(mode.resident)
         resident_bytes = probe.resident_bytes(resident)
         numel = step.input_numel
@@ -95,15 +106,19 @@ class MeasuredPlan:
                             mode.memory.window_reserved() - peak)
             self.recent.append(numel)
         planning = max(self.recent, default=0)
-        measured = mode.timing.measurements > self._measurements_seen
-        if measured:
-            self._measurements_seen = mode.timing.measurements
+        reserved, held_back = mode.memory.memory_reserved(), self.held_back
+        self.last_reserved = reserved
+        promote, give_back, decided = [], [], False
+        if mode.timing.measurements > self._measurements_seen:
+            self._measurements_seen, self._deciding = mode.timing.measurements, True  # decided on the next
+        elif self._deciding and not mode.timing.measuring:
+            # the iteration after a measurement, on the cache that one left: what training reserves
+            self._deciding, decided = False, True
             extra = max(0, (self.needs.predict(planning) or 0) - (self.needs.predict(numel) or 0)) if numel else 0
-            promote, give_back = self.after_measurement(mode.timing.peak_reserved, mode.order, probe.nbytes,
-                                                        resident_bytes, extra)
+            promote, give_back = self.after_measurement(reserved, mode.order, probe.nbytes, resident_bytes, extra)
             self.planned_numel = max(planning, numel)
         else:
-            promote, give_back = [], self.after_step(mode.memory.memory_reserved(), probe.nbytes)
+            give_back = self.after_step(reserved, probe.nbytes)
             if planning and planning < self.planned_numel and not mode.timing.measuring:
                 # the large inputs left the window: measure again, and keep what the smaller ones leave room for
                 log_dist(f"[deepspeed-offload] measured plan: the largest input of the last {len(self.recent)} steps "
@@ -111,12 +126,19 @@ class MeasuredPlan:
                          "measuring the next iteration to take state back", ranks=[0])
                 self.planned_numel = planning
                 self.take_backs += 1
+                self.held_back = 0  # (the early loads too: what the larger inputs took from them)
                 mode.memory.empty_cache()  # the larger iterations' cached blocks would count in the measurement
                 mode.timing.remeasure()
+        # (no more than the early loads could hold: past that, the iteration is overlap off's)
+        self.held_back = min(self.held_back, max(held_back, mode.timing.largest_allowance()))
+        mode.timing.held_back = self.held_back
+        if self.held_back > held_back and not give_back:
+            mode.memory.empty_cache()  # the next iteration, with the early loads held back, on an empty cache
+            self._deciding = True
         if give_back:
             mode.memory.empty_cache()  # what goes back is the device's again
             mode.timing.remeasure()
-        if measured or give_back:
+        if decided or give_back or self.held_back != held_back:
             self._log(mode, resident + len(promote) - len(give_back))
         return resident + len(promote) - len(give_back) if promote or give_back else None
 
@@ -126,6 +148,7 @@ class MeasuredPlan:
         plan keeps resident what fits again."""
         if mode.cfg.max_device_memory_gb is None:
             self.limit = device_limit(mode.memory, None)
+        self.held_back = mode.timing.held_back = 0
         mode.memory.empty_cache()
         mode.timing.remeasure()
 
@@ -162,11 +185,12 @@ class MeasuredPlan:
         streamed = mode.probe.total - mode.probe.resident_bytes(resident)
         log_dist(f"[deepspeed-offload] measured plan: {format_bytes(mode.probe.resident_bytes(resident))} of "
                  f"optimizer state resident ({resident} sub-groups, {len(self.promoted)} of them since the "
-                 f"measurement), {format_bytes(streamed)} streamed; the measured iteration's peak: "
+                 f"measurement), {format_bytes(streamed)} streamed; the iteration decided on: "
                  f"{format_bytes(self.measured_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
                  f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f} "
                  f"--margin-gb {self.margin / GiB:.1f}); "
-                 f"limit {format_bytes(self.limit)} ({limit}) less a margin of {format_bytes(self.margin)}", ranks=[0])
+                 f"limit {format_bytes(self.limit)} ({limit}) less a margin of {format_bytes(self.margin)}"
+                 + (f"; early loads held back by {format_bytes(self.held_back)}" if self.held_back else ""), ranks=[0])
 
     def after_step(self, reserved: int, nbytes: Callable[[int], int]) -> List[int]:
         """An iteration ended with ``reserved`` bytes reserved: when that came within half the margin of
@@ -178,7 +202,14 @@ class MeasuredPlan:
             return []
         self.give_backs += 1
         self.margin = min(self.margin + excess + self.margin // 2, self.limit // 4)
-        return self._give_back(excess + self.margin // 2, nbytes)
+        return self._make_room(excess + self.margin // 2, nbytes)
+
+    def _make_room(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
+        """Sub-groups to give back (the last made resident first) for ``nbytes_needed``; what they do not
+        cover comes off the early loads (``held_back``)."""
+        out = self._give_back(nbytes_needed, nbytes)
+        self.held_back += max(0, nbytes_needed - sum(nbytes(i) for i in out))
+        return out
 
     def _give_back(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
         out, freed = [], 0

@@ -22,7 +22,8 @@ creates the optimizer's lazy state): its peak ``peak_off`` (what the iteration r
 that hook to the step's end (``future[k]``), read from the device's peak statistics, which it resets
 at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 ``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
-lookup per hook, no device query. ``overlap_memory_gb`` caps that further. On the CPU accelerator
+lookup per hook, no device query. ``overlap_memory_gb`` caps that further, and the measured plan
+may take ``held_back`` bytes off every allowance (where the allocator reserves too much around them). On the CPU accelerator
 (no device memory of its own) there is nothing to measure and no limit. Loading nothing early, the
 measured iteration prefetches the step's first sub-groups into the slots (as many as they take) as its backward begins
 (``prefetch``) and holds them to the step; later iterations take them when the step begins, so the
@@ -67,6 +68,7 @@ class LoadTiming:
         self.early_in_backward = early_in_backward
         self.prefetch = prefetch
         self.early_cap = early_cap  # overlap_memory_gb in bytes; None: derived
+        self.held_back = 0  # bytes taken off every allowance (the measured plan, placement.py)
         self.kept = frozenset()  # sub-groups that stay on the device between steps (compile mode)
         self.steps = 0  # steps that ran to their end
         self.peak_off: Optional[int] = None  # the measured iteration's peak (no early loads)
@@ -208,11 +210,18 @@ class LoadTiming:
         if self.synchronous:
             return cap
         if self.early_cap is not None:
-            return cap
+            return max(0, cap - self.held_back)
         if not self.future:
             return None  # not measured yet: this iteration behaves as with overlap off
         k = min(max(self._hook, 0), len(self.future) - 1)
-        return max(0, self.peak_off - self.future[k])
+        return max(0, self.peak_off - self.future[k] - self.held_back)
+
+    def largest_allowance(self) -> float:
+        """The most early loads may hold at any point of a backward like the measured one (0 before a
+        measurement)."""
+        if self.early_cap is not None:
+            return self.early_cap
+        return max((self.peak_off - f for f in self.future), default=0)
 
     def backward_allowance(self) -> Optional[float]:
         """``allowance`` split in two, for a caller that knows what of its early loads outlasts backward
@@ -225,16 +234,16 @@ class LoadTiming:
         if total is None or not self.future or self.synchronous or self.early_cap is not None:
             return total
         k = min(max(self._hook, 0), len(self.future_in_backward) - 1)
-        return max(0, self.peak_off - self.future_in_backward[k])
+        return max(0, self.peak_off - self.future_in_backward[k] - self.held_back)
 
     def step_allowance(self) -> float:
         """Bytes that what was loaded early (and what updates in backward keep) may still hold when the
         step begins: the measured step's figure below the peak (see ``backward_allowance``)."""
         if self.synchronous or self.early_cap is not None:
-            return math.inf if self.early_cap is None else self.early_cap
+            return math.inf if self.early_cap is None else max(0, self.early_cap - self.held_back)
         if not self.future or self.step_figure is None:
             return 0
-        return max(0, self.peak_off - self.step_figure)
+        return max(0, self.peak_off - self.step_figure - self.held_back)
 
     def prefetch_order(self, streamed: Iterable[int]) -> List[int]:
         """What prefetch loads into the slots, in order, as many as they take: the streamed
