@@ -23,8 +23,8 @@ that hook to the step's end (``future[k]``), read from the device's peak statist
 at each hook of that iteration. From then on, at hook ``k`` early loads may hold
 ``peak_off - future[k]`` bytes in all, so the iteration's peak stays at ``peak_off``: a table
 lookup per hook, no device query. ``overlap_memory_gb`` caps that further, and the measured plan
-may take ``held_back`` bytes off every allowance (where the allocator reserves too much around them). On the CPU accelerator
-(no device memory of its own) there is nothing to measure and no limit. Loading nothing early, the
+may take ``held_back`` bytes off every allowance (where the allocator reserves too much around them).
+On the CPU accelerator (no device memory of its own) there is nothing to measure and no limit. Loading nothing early, the
 measured iteration prefetches the step's first sub-groups into the slots (as many as they take) as its backward begins
 (``prefetch``) and holds them to the step; later iterations take them when the step begins, so the
 slots are taken out of its backward's figures (``prefetched``): they count in ``peak_off`` and in the
