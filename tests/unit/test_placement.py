@@ -93,12 +93,12 @@ def test_the_measured_plan_keeps_what_fits_and_gives_back_when_an_iteration_grow
     nbytes = {i: 10 * GiB for i in range(10)}.__getitem__
     plan = MeasuredPlan(limit=140 * GiB, margin=margin_bytes(140 * GiB))
     assert plan.margin == int(0.03 * 140 * GiB)
-    promote, back = plan.after_measurement(80 * GiB, list(range(3, 10)), nbytes)
+    promote, back = plan.decide(80 * GiB, list(range(3, 10)), nbytes)
     assert promote == [3, 4, 5, 6, 7] and back == []  # 55.8 GiB of room: five sub-groups of 10
     assert plan.after_step(130 * GiB, nbytes) == []  # within the margin's half
     back = plan.after_step(138 * GiB, nbytes)  # 3.9 GiB into the margin: give back the excess and half the margin
     assert back == [7] and plan.give_backs == 1 and plan.margin > margin_bytes(140 * GiB)
-    promote, back = plan.after_measurement(145 * GiB, [7, 8, 9], nbytes)  # measured again: over the limit
+    promote, back = plan.decide(145 * GiB, [7, 8, 9], nbytes)  # measured again: over the limit
     assert promote == [] and back == [6, 5]  # (the margin, widened by the give-back, is kept free too)
 
 
@@ -117,13 +117,13 @@ def test_the_plan_settles_where_the_allocator_reserves_more_than_the_state():
     def iteration(peak_without):
         return peak_without + len(plan.promoted) * sub + overhead
 
-    promote, _ = plan.after_measurement(int(130.59 * GiB), streamed, nbytes)
+    promote, _ = plan.decide(int(130.59 * GiB), streamed, nbytes)
     moves = 1
     for _ in range(12):
         back = plan.after_step(iteration(int(130.59 * GiB) - overhead), nbytes)
         if back:
             moves += 1
-            promote, _ = plan.after_measurement(iteration(int(130.59 * GiB) - overhead) - len(plan.promoted) * sub,
+            promote, _ = plan.decide(iteration(int(130.59 * GiB) - overhead) - len(plan.promoted) * sub,
                                                 streamed[len(plan.promoted):], nbytes)
     assert plan.give_backs <= 2 and moves <= 3, (plan.give_backs, moves)
     assert iteration(int(130.59 * GiB) - overhead) <= limit - plan.margin // 2

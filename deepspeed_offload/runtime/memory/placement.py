@@ -59,7 +59,7 @@ class MeasuredPlan:
     limit: int
     margin: int
     promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
-    measured_peak: Optional[int] = None  # the reserved peak the last decision was made on
+    decided_peak: Optional[int] = None  # the reserved peak the last decision was made on
     iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
     give_backs: int = 0  # iterations after which state went back to the host
     take_backs: int = 0  # times the largest recent input shrank below the one the plan was made for
@@ -72,14 +72,14 @@ class MeasuredPlan:
     _measurements_seen: int = 0
     _deciding: bool = False  # a measurement finished: decide after the next iteration
 
-    def after_measurement(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
+    def decide(self, peak_reserved: int, streamed: Sequence[int], nbytes: Callable[[int], int],
                           resident_bytes: int = 0, extra: int = 0) -> Tuple[List[int], List[int]]:
         """The iteration decided on reserved ``peak_reserved`` with ``streamed`` (step order) offloaded and
         ``resident_bytes`` of state resident; ``extra``: what the largest recent input needs beyond its
         input. (Sub-groups to make resident, a prefix of ``streamed`` that fits below the limit less the
         margin and ``extra``, none while early loads are held back; sub-groups to give back, the last
         made resident first, where the peak is above it.)"""
-        self.measured_peak = peak_reserved
+        self.decided_peak = peak_reserved
         self.iteration = peak_reserved - resident_bytes
         room = self.limit - self.margin - peak_reserved - extra
         if room < 0:
@@ -115,7 +115,7 @@ class MeasuredPlan:
             # the iteration after a measurement, on the cache that one left: what training reserves
             self._deciding, decided = False, True
             extra = max(0, (self.needs.predict(planning) or 0) - (self.needs.predict(numel) or 0)) if numel else 0
-            promote, give_back = self.after_measurement(reserved, mode.order, probe.nbytes, resident_bytes, extra)
+            promote, give_back = self.decide(reserved, mode.order, probe.nbytes, resident_bytes, extra)
             self.planned_numel = max(planning, numel)
         else:
             give_back = self.after_step(reserved, probe.nbytes)
@@ -129,12 +129,12 @@ class MeasuredPlan:
                 self.held_back = 0  # (the early loads too: what the larger inputs took from them)
                 mode.memory.empty_cache()  # the larger iterations' cached blocks would count in the measurement
                 mode.timing.remeasure()
-        # (no more than the early loads could hold: past that, the iteration is overlap off's)
-        self.held_back = min(self.held_back, max(held_back, mode.timing.largest_allowance()))
+        if self.held_back > held_back:  # (no more than the early loads can hold: past that, overlap off's iteration)
+            self.held_back = min(self.held_back, max(held_back, mode.timing.largest_allowance()))
+            if self.held_back > held_back and not give_back:
+                mode.memory.empty_cache()  # the next iteration, with the early loads held back, on an empty cache
+                self._deciding = True
         mode.timing.held_back = self.held_back
-        if self.held_back > held_back and not give_back:
-            mode.memory.empty_cache()  # the next iteration, with the early loads held back, on an empty cache
-            self._deciding = True
         if give_back:
             mode.memory.empty_cache()  # what goes back is the device's again
             mode.timing.remeasure()
@@ -186,7 +186,7 @@ class MeasuredPlan:
         log_dist(f"[deepspeed-offload] measured plan: {format_bytes(mode.probe.resident_bytes(resident))} of "
                  f"optimizer state resident ({resident} sub-groups, {len(self.promoted)} of them since the "
                  f"measurement), {format_bytes(streamed)} streamed; the iteration decided on: "
-                 f"{format_bytes(self.measured_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
+                 f"{format_bytes(self.decided_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
                  f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f} "
                  f"--margin-gb {self.margin / GiB:.1f}); "
                  f"limit {format_bytes(self.limit)} ({limit}) less a margin of {format_bytes(self.margin)}"
