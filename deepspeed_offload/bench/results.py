@@ -141,8 +141,8 @@ def plan_record(handle):
            "measurements": handle.timing.measurements, "divergences": handle.timing.divergences}
     if plan is not None:
         out.update(promoted=len(plan.promoted), give_backs=plan.give_backs,
-                   measured_peak_reserved_GiB=gib(plan.measured_peak),
-                   iteration_GiB=gib(plan.iteration), limit_GiB=gib(plan.limit), margin_GiB=gib(plan.margin))
+                   decided_peak_reserved_GiB=gib(plan.decided_peak), iteration_GiB=gib(plan.iteration),
+                   limit_GiB=gib(plan.limit), margin_GiB=gib(plan.margin), held_back_GiB=gib(plan.held_back))
     return out
 
 

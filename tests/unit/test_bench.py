@@ -19,8 +19,9 @@ from bench_runs import RESULTS, RUNS
 from deepspeed_offload.bench import charts, driver, models, modes, options
 from deepspeed_offload.bench import report as reporting
 from deepspeed_offload.bench import timeline
-from deepspeed_offload.bench.results import from_rows, pool_rounds
+from deepspeed_offload.bench.results import from_rows, plan_record, pool_rounds
 from deepspeed_offload.config import OffloadConfig
+from deepspeed_offload.runtime.memory.placement import MeasuredPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = ["--model", "llama", "--layers", "2", "--hidden", "64", "--intermediate", "176", "--heads", "4",
@@ -855,6 +856,27 @@ def test_the_llama_is_checkpointed_in_the_style_asked_without_the_deprecated_cal
         assert {layer._gradient_checkpointing_func.keywords["use_reentrant"] for layer in layers} == {reentrant}
         assert not [w for w in seen if "checkpointing_enable" in str(w.message)], [str(w.message) for w in seen]
     assert not any(layer.gradient_checkpointing for layer in models.build_llama(parse(*TINY_LLAMA)).model.layers)
+
+
+def test_the_plan_record_reads_the_measured_plan_it_runs_with():
+    """Where a run ends (resident, streamed) and what the measured plan decided on, read from a real
+    ``MeasuredPlan`` (the record is written only on a device with memory of its own, so the CPU runs of
+    the worker never reach it)."""
+    from types import SimpleNamespace
+
+    gib = 2**30
+    plan = MeasuredPlan(limit=80 * gib, margin=2 * gib)
+    promote, back = plan.decide(60 * gib, [3, 4, 5], lambda i: 4 * gib, resident_bytes=12 * gib)
+    assert promote == [3, 4, 5] and back == []
+    plan.held_back = gib // 2
+    handle = SimpleNamespace(probe=SimpleNamespace(resident_bytes=lambda n: n * 4 * gib), resident=[0, 1, 2, 3, 4, 5],
+                             layout=SimpleNamespace(nbytes={6: 4 * gib}), order=[6], plan=plan,
+                             timing=SimpleNamespace(measurements=1, divergences=0))
+    record = plan_record(handle)
+    assert record == dict(resident_GiB=24.0, resident_sub_groups=6, streamed_GiB=4.0, streamed_sub_groups=1,
+                          measurements=1, divergences=0, promoted=3, give_backs=0, decided_peak_reserved_GiB=60.0,
+                          iteration_GiB=48.0, limit_GiB=80.0, margin_GiB=2.0, held_back_GiB=0.5)
+    json.dumps(record)
 
 
 def test_peaks_hold_through_the_runtimes_own_resets():
