@@ -205,8 +205,9 @@ def test_with_nothing_to_give_back_the_early_loads_give_way():
     assert mode.plan.held_back == mode.timing.held_back == 2 * GiB and mode.memory.emptied == 1
     assert mode.step(17 * GiB) is None  # decided again: fits, and what the early loads gave up stays theirs
     assert mode.plan.held_back == 2 * GiB and mode.memory.emptied == 1 and mode.resident == []
-    assert mode.step(20 * GiB) is None  # a later iteration past half the margin: held back further,
-    assert mode.plan.held_back == 3 * GiB and mode.plan.margin > GiB and mode.memory.emptied == 2  # to all
+    assert mode.step(20 * GiB) is None  # a later iteration past half the margin: held back further, to all;
+    assert mode.plan.held_back == 3 * GiB and mode.memory.emptied == 2  # the margin stays (no resident state
+    assert mode.plan.margin == GiB and mode.plan.give_backs == 0  # of the plan's reserved more than planned)
     assert mode.step(20 * GiB) is None  # nothing more to hold back: the cache is left as it is
     assert mode.plan.held_back == 3 * GiB and mode.memory.emptied == 2
     mode.plan.memory_returned(mode)

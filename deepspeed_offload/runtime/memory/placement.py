@@ -196,9 +196,14 @@ class MeasuredPlan:
         """An iteration ended with ``reserved`` bytes reserved: when that came within half the margin of
         the limit (it grew, or the allocator reserved more around the resident state than its bytes),
         the sub-groups to give back, enough to restore the whole margin; and the margin grows by what
-        was reserved beyond the plan, so that the next measurement does not make them resident again."""
+        was reserved beyond the plan, so that the next measurement does not make them resident again. With
+        nothing made resident to give back, the early loads give way (``held_back``) and the margin stays:
+        what the allocator reserved beyond the plan was not around resident state."""
         excess = reserved - (self.limit - self.margin // 2)
         if excess <= 0:
+            return []
+        if not self.promoted:
+            self.held_back += excess + self.margin // 2
             return []
         self.give_backs += 1
         self.margin = min(self.margin + excess + self.margin // 2, self.limit // 4)
