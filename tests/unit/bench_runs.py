@@ -1,5 +1,6 @@
-"""The H200 benchmark runs committed in benchmarks/results/ (one GPU each; a two-GPU run's name ends
-in -2gpus): the CLI's estimate and the bench's chart and completeness are checked against them."""
+"""The benchmark runs committed in benchmarks/results/ (one GPU each, an H200 unless the name holds -h100; a
+two-GPU run's name ends in -2gpus): the CLI's estimate and the bench's chart and completeness are checked against
+them."""
 
 import json
 from pathlib import Path
