@@ -347,6 +347,21 @@ def test_the_measured_plan_follows_the_batch_and_every_step_closes(tmp_path):
 
 
 @needs_two_ranks
+def test_the_measured_plan_follows_the_batch_with_gradient_accumulation(tmp_path):
+    """The same schedule with two micro-batches a step: the plan measures, decides, gives back before the
+    larger step's first forward and takes back per applied step, not per micro-batch; bitwise equal to
+    plain ZeRO-3 with the same accumulation."""
+    offload = dict(OFFLOAD, memory_budget_gb=None, overlap_memory_gb=1e-3)
+    out = launch(dict(FOLLOW, gas=2, variants=[{"api": "deepspeed"}, {"offload": offload}]), tmp_path, "follow_gas2")
+    plain, ours = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    n = len(ours["handle"]["order"]) + len(ours["handle"]["resident"])
+    assert ours["steps_counted"] == list(range(1, 13))
+    assert [p["resident"] for p in ours["plan"]] == [0, 0] + [n] * 2 + [0] * 5 + [n] * 3, ours["plan"]
+    assert ours["plan"][4]["give_backs"] == 1 and ours["plan"][7]["take_backs"] == 1, ours["plan"]
+
+
+@needs_two_ranks
 def test_the_measured_plan_takes_state_back_when_reload_states_returns_memory(tmp_path):
     """The device first leaves no room for state beside the iteration (170 kB of a scripted 180 kB, less
     its margin); after step 4 an offload_states / reload_states cycle sees the device grow to 300 kB (a
