@@ -202,11 +202,9 @@ class MeasuredPlan:
         excess = reserved - (self.limit - self.margin // 2)
         if excess <= 0:
             return []
-        if not self.promoted:
-            self.held_back += excess + self.margin // 2
-            return []
-        self.give_backs += 1
-        self.margin = min(self.margin + excess + self.margin // 2, self.limit // 4)
+        if self.promoted:
+            self.give_backs += 1
+            self.margin = min(self.margin + excess + self.margin // 2, self.limit // 4)
         return self._make_room(excess + self.margin // 2, nbytes)
 
     def _make_room(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
