@@ -13,7 +13,7 @@ still accepted because docs and committed JSON use them.
 """
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple
 
@@ -62,7 +62,7 @@ class Mode:
 
     def file_name(self):
         """The mode's name where a file name holds it."""
-        return self.name.replace("@", "_at_")
+        return self.name.replace("@", "_at_").replace("/", "_").replace("=", "")
 
 
 def _frozen(d):
@@ -150,7 +150,12 @@ def _budget_mode(name, family, budget, settings):
 
 def describe(name, settings):
     """The ``Mode`` named ``name``. ``settings``: anything with ``sub_group_mb``, ``overlap_memory_gb``
-    and ``budget_gb`` (the parsed arguments). Raises ValueError naming an unknown mode or budget."""
+    and ``budget_gb`` (the parsed arguments). Raises ValueError naming an unknown mode or budget.
+    ``NAME/bucket=N``: NAME with ``zero_optimization.reduce_bucket_size`` N (over ``--reduce-bucket-size``),
+    so that two buckets are compared within one run (``--rounds``: the same drift on both)."""
+    base, slash, bucket = name.partition("/")
+    if slash:
+        return _with_bucket(name, describe(base, settings), bucket)
     mode = _fixed(name, settings)
     if mode is not None:
         return mode
@@ -164,6 +169,14 @@ def describe(name, settings):
             return _budget_mode(name, family, budget, settings)
     raise ValueError(f"unknown mode {name!r} (known: all, {', '.join(FIXED + list(ALIASES))}, "
                      f"{', '.join(SWEEPS)}, {', '.join(f + '@<GiB|default>' for f in FAMILIES)})")
+
+
+def _with_bucket(name, mode, option):
+    key, eq, value = option.partition("=")
+    if key != "bucket" or not eq or not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"mode {name!r}: after '/' expected bucket=N, N a reduce_bucket_size in elements (> 0)")
+    config = _merge(copy.deepcopy(dict(mode.config)), {"zero_optimization": {"reduce_bucket_size": int(value)}})
+    return replace(mode, name=name, config=_frozen(config))
 
 
 def lookup(name, settings):

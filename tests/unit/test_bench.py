@@ -70,6 +70,27 @@ def test_every_mode_has_a_config_and_a_baseline():
     assert config("dc_offload_opt_states", args)["compile"]["offload_opt_states"] is True
 
 
+def test_a_mode_with_its_own_bucket_runs_beside_the_same_mode_in_one_run():
+    """``NAME/bucket=N``: NAME's config with reduce_bucket_size N over --reduce-bucket-size, its own
+    result key and files, so that --rounds compares two buckets under the same drift."""
+    args = parse("--reduce-bucket-size", "4194304")
+    assert expand("resident,default@0,default@0/bucket=22369621") == [
+        "resident", "default@0", "default@0/bucket=22369621"]
+    plain, own = modes.describe("default@0", args), modes.describe("default@0/bucket=22369621", args)
+    assert config("default@0", args)["zero_optimization"]["reduce_bucket_size"] == 4194304
+    cfg = config("default@0/bucket=22369621", args)
+    assert cfg["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 22369621}
+    assert cfg["optimizer_state_offload"] == config("default@0", args)["optimizer_state_offload"]
+    assert (own.baseline, own.budget_gb, own.family, own.ours) == (plain.baseline, 0, "default", True)
+    assert own.file_name() == "default_at_0_bucket22369621" != plain.file_name()
+    assert config("resident/bucket=7", parse())["zero_optimization"]["reduce_bucket_size"] == 7
+    assert "reduce_bucket_size" not in config("resident", parse())["zero_optimization"]  # left as it was
+    for bad in ("default@0/bucket=", "default@0/bucket=0", "default@0/bucket=1e6", "default@0/size=4",
+                "nosuch/bucket=4"):
+        with pytest.raises(ValueError):
+            modes.describe(bad, args)
+
+
 def test_the_budget_sweep_is_one_run_of_several_modes():
     names = expand("all", "0,8,16,32,default")
     sweep = [m for m in names if m.startswith("compile_offload@")]
@@ -1004,6 +1025,21 @@ def test_rounds_run_the_modes_in_turn_and_pool_them(tmp_path, monkeypatch):
     # more than one round never resumes: every mode runs afresh
     assert driver.main(["--out", str(out), "--modes", "resident", "--rounds", "2", "--resume"]) == 2
     assert driver.main(["--out", str(out), "--modes", "resident", "--rounds", "0"]) == 2
+
+
+def test_two_buckets_of_one_mode_run_in_turn(tmp_path, fake_workers):
+    """The driver launches ``NAME/bucket=N`` like any mode: in turn with NAME round by round, its
+    worker told the full name, its result under it, its log in a file of its own, against resident."""
+    out = tmp_path / "b.json"
+    modes_arg = "stream_overlap,default@0,default@0/bucket=22369621"
+    assert driver.main(["--out", str(out), "--modes", modes_arg, "--rounds", "2",
+                        "--timeout", "300,default@0/bucket=22369621=400"]) == 0
+    both = ["stream_overlap", "default@0", "default@0/bucket=22369621"]
+    assert launched_modes(fake_workers) == both + both[::-1]
+    assert [t for cmd, t in fake_workers][2] == 400
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == set(both) and "iter_s" in results["default@0/bucket=22369621"]
+    assert (tmp_path / "b-round2-default_at_0_bucket22369621.log").exists()
 
 
 def test_a_failed_round_is_the_mode_s_result():
