@@ -9,7 +9,8 @@ Names: the fixed ones in ``FIXED``; the budget families ``compile_offload@B``, `
 off), ``stream_overlap@B`` (overlap on, speculation off) and ``default@B`` (the block at its defaults but
 ``memory_budget_gb``), B a number of GiB or ``default`` (null: measured on the card); the shorthands ``all`` and the sweeps (``compile_sweep``, ``stream_sweep``,
 ``stream_overlap_sweep``: one NAME@B per ``--budgets`` entry); and the older names of ``ALIASES``,
-still accepted because docs and committed JSON use them.
+still accepted because docs and committed JSON use them. Any mode as ``NAME/bucket=N``: the same with
+``zero_optimization.reduce_bucket_size`` N.
 """
 
 import copy
