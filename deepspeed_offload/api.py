@@ -103,9 +103,11 @@ def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
         log_dist(f"[deepspeed-offload] zero_optimization.sub_group_size unset: using {plan.sub_group_size} "
                  f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
     if bucket is not None:
+        why = "hidden_size**2, what HF's 'auto' fills in" if hidden and bucket == hidden * hidden else \
+            f"one sub-group, {plan.sub_group_size:,} elements"
         log_dist(f"[deepspeed-offload] zero_optimization.reduce_bucket_size unset: using {bucket:,} elements "
-                 "(hidden_size**2, what HF's 'auto' fills in; DeepSpeed's 500,000,000 would make gradients "
-                 "final a bucket at a time and speculated updates start late in backward)", ranks=[0])
+                 f"({why}; DeepSpeed's 500,000,000 would make gradients final a bucket at a time and speculated "
+                 "updates start late in backward, a smaller bucket only adds reductions)", ranks=[0])
     _attach_if_trainable(result[0], plan)
     return result
 

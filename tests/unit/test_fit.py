@@ -119,7 +119,7 @@ def test_the_shape_from_flags_and_the_batch_from_the_ds_config(capsys, tmp_path)
 
 
 def test_the_fit_answer_counts_the_reduce_bucket_initialize_picks(capsys, tmp_path):
-    """Without reduce_bucket_size, stream mode with speculation possible gets hidden_size² from
+    """Without reduce_bucket_size, stream mode with speculation possible gets one sub-group's elements from
     initialize (Plan.reduce_bucket_for): the answer counts that bucket, not DeepSpeed's 5e8 elements,
     which the same config with the size written out pays for (in bf16, about 0.9 GiB more)."""
     base = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},

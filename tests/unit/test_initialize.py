@@ -78,33 +78,45 @@ def test_enabled_passes_sub_group_size_and_clears_args(spies, tmp_path):
     assert kwargs["config"]["zero_optimization"]["sub_group_size"] == plan.sub_group_size == 256 * 2**20 // 12
 
 
-def test_an_unset_reduce_bucket_becomes_hidden_size_squared_for_an_hf_model(spies, monkeypatch):
-    """Stream mode with speculation possible, a model whose config says its hidden_size (a Hugging Face
-    model) and no reduce_bucket_size in the ds_config: DeepSpeed gets hidden_size², as HF's "auto" would
-    fill in, and one log line says so; the caller's dict keeps its keys. A size the user set, speculation
-    off (or impossible: overlap off, fp32 parameters) or a model without a hidden_size leave DeepSpeed's
-    default alone."""
-    hf_like = torch.nn.Linear(4, 4)
-    hf_like.config = SimpleNamespace(hidden_size=64)
+def test_an_unset_reduce_bucket_becomes_one_sub_group_or_hidden_size_squared(spies, monkeypatch):
+    """Stream mode with speculation possible and no reduce_bucket_size in the ds_config: DeepSpeed gets one
+    sub-group's elements (a smaller bucket makes no sub-group's gradient final much sooner, and each
+    reduction costs host time), or hidden_size² (what HF's "auto" fills in) where a model's config says a
+    width whose square is larger; one log line says which; the caller's dict keeps its keys. A size the
+    user set, speculation off (or impossible: overlap off, fp32 parameters) or a sub-group as large as
+    DeepSpeed's own bucket leave DeepSpeed's default alone."""
+    def hf_like(hidden):
+        model = torch.nn.Linear(4, 4)
+        model.config = SimpleNamespace(hidden_size=hidden)
+        return model
+
     bf16 = dict(ON, bf16={"enabled": True})
-    cfg = json.loads(json.dumps(bf16))
+    sub_group = cfgmod.validate(json.loads(json.dumps(bf16))).sub_group_size
+    assert sub_group == 256 * 2**20 // 12
     logged = []
     monkeypatch.setattr(api, "log_dist", lambda message, **kw: logged.append(message))
-    deepspeed_offload.initialize(model=hf_like, config=cfg)
-    (_, kwargs), _ = spies
-    assert kwargs["config"]["zero_optimization"]["reduce_bucket_size"] == 64 * 64
-    assert "reduce_bucket_size" not in cfg["zero_optimization"]  # the caller's dict: untouched
-    assert [m for m in logged if "reduce_bucket_size unset: using 4,096 elements" in m]
-    assert cfgmod.validate(cfg).reduce_bucket_for(64) == 4096 and cfgmod.validate(cfg).reduce_bucket_for(None) is None
+    for model, bucket, why in [(hf_like(64), sub_group, f"one sub-group, {sub_group:,} elements"),
+                               (torch.nn.Linear(4, 4), sub_group, "one sub-group"),  # no hidden_size
+                               (hf_like(8192), 8192 * 8192, "hidden_size**2")]:
+        spies.clear()
+        logged.clear()
+        cfg = json.loads(json.dumps(bf16))
+        deepspeed_offload.initialize(model=model, config=cfg)
+        (_, kwargs), _ = spies
+        assert kwargs["config"]["zero_optimization"]["reduce_bucket_size"] == bucket
+        assert "reduce_bucket_size" not in cfg["zero_optimization"]  # the caller's dict: untouched
+        assert [m for m in logged if f"reduce_bucket_size unset: using {bucket:,} elements ({why}" in m], logged
+    assert cfgmod.validate(bf16).reduce_bucket_for(64) == sub_group == cfgmod.validate(bf16).reduce_bucket_for(None)
     left = [dict(bf16, zero_optimization={"stage": 3, "reduce_bucket_size": 1000}),
+            dict(bf16, zero_optimization={"stage": 3, "sub_group_size": 500_000_000}),
             dict(bf16, optimizer_state_offload={"enabled": True, "speculate_memory_gb": 0}),
             dict(bf16, optimizer_state_offload={"enabled": True, "overlap": False}),
             ON]  # fp32 parameters: speculation does not run
-    for config, model in [(c, hf_like) for c in left] + [(bf16, torch.nn.Linear(4, 4))]:
+    for config in left:
         spies.clear()
-        deepspeed_offload.initialize(model=model, config=json.loads(json.dumps(config)))
+        deepspeed_offload.initialize(model=hf_like(64), config=json.loads(json.dumps(config)))
         (_, kwargs), _ = spies
-        assert kwargs["config"]["zero_optimization"].get("reduce_bucket_size") in (None, 1000)
+        assert kwargs["config"]["zero_optimization"].get("reduce_bucket_size") in (None, 1000), config
 
 
 def test_host_store_layout():

@@ -59,5 +59,5 @@ def log_attach(spec):
         # WARNING, like DeepSpeed's own advice on its settings: it costs speed, not correctness
         log_dist(f"[deepspeed-offload] speculation: zero_optimization.reduce_bucket_size is {bucket:,} "
                  f"elements, {bucket // max(largest, 1)} sub-groups' worth: gradients become final a bucket at "
-                 "a time, so updates start late in backward; a smaller bucket (HF's 'auto' fills in "
-                 "hidden_size**2) lets them start sooner", ranks=[0], level=logging.WARNING)
+                 "a time, so updates start late in backward; a bucket of about one sub-group (what "
+                 "initialize picks where it is unset) lets them start sooner", ranks=[0], level=logging.WARNING)
