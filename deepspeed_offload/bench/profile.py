@@ -3,12 +3,15 @@ iterations of each traced mode under ``torch.profiler``, writes the Chrome trace
 Perfetto) and summarizes the last iteration: when forward, backward and the step ran on the GPU, what
 each stream (compute, DeepSpeed's reduction stream, our copy and side streams) did in each of them, and
 where the CPU waited for the device (``host_waits``: each phase's synchronizing calls by the operator
-that made them; a wait there stops the CPU from queueing more work, so the GPU idles after it). One more
-iteration under torch.cuda's sync debug mode names the Python line of each such call (``sync_sites``).
+that made them; a wait there stops the CPU from queueing more work, so the GPU idles after it), and why the
+compute stream idled in each phase (``compute_idle``: launched late by the CPU, or launched in time and
+waiting on the device; what the launching thread ran meanwhile). One more iteration under torch.cuda's
+sync debug mode names the Python line of each such call (``sync_sites``).
 
 ``python -m deepspeed_offload.bench.profile TRACE.json.gz`` prints the summary of a saved trace.
 """
 
+import bisect
 import gzip
 import json
 import os
@@ -195,7 +198,96 @@ def summarize(trace):
                             "last_s": round((max(b for _, b in s["intervals"]) - start) / 1e6, 6)})
     return {"iteration_s": round((end - start) / 1e6, 6),
             "phases_s": {w: [round((lo - start) / 1e6, 6), round((hi - start) / 1e6, 6)] for w, (lo, hi) in windows.items()},
-            "streams": out_streams, "host_waits": host_waits(events, spans["user_annotation"])}
+            "streams": out_streams, "host_waits": host_waits(events, spans["user_annotation"]),
+            "compute_idle": compute_idle(events, windows, streams)}
+
+
+# Gaps on the compute stream shorter than this are the launch pipeline's, not idling.
+MIN_GAP_US = 20
+HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def compute_idle(events, windows, streams, top=8):
+    """Why the compute stream (the one with the most kernel time) idled in each phase: every gap between
+    its operations (over ``MIN_GAP_US``) split into the part before the next operation was launched
+    (``host_late_s``: the CPU thread that launched it was busy elsewhere, so the GPU had nothing queued)
+    and the part after (``device_wait_s``: queued in time, held by a wait on another stream's event);
+    ``host_late_by``: what that thread ran during the late parts, by the innermost operator (its self
+    time: ``torch::autograd::AccumulateGrad``'s is the Python of the gradient hooks; ``python``: no
+    operator at all), the ``top`` most."""
+    compute = max(streams, key=lambda sid: streams[sid]["kernel_s"], default=None)
+    if compute is None:
+        return None
+    launches = {(e.get("args") or {}).get("correlation"): e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and (e.get("args") or {}).get("correlation") is not None}
+    ops = sorted((e for e in events if e.get("cat") in GPU_CATS and (e.get("args") or {}).get("stream", e.get("tid")) == compute),
+                 key=lambda e: e["ts"])
+    segments = {}  # per CPU thread: its innermost operator over time (``_innermost``)
+    out = {}
+    for phase, (lo, hi) in windows.items():
+        if phase == "after_step":
+            continue
+        row, late_by, end = {"idle_s": 0.0, "host_late_s": 0.0, "device_wait_s": 0.0}, {}, lo
+        for e in ops:
+            if e["ts"] < lo or e["ts"] >= hi:
+                continue
+            gap = e["ts"] - end
+            if gap > MIN_GAP_US:
+                launch = launches.get((e.get("args") or {}).get("correlation"))
+                launched = launch["ts"] if launch is not None else e["ts"]
+                late = max(0.0, min(launched, e["ts"]) - end)
+                row["idle_s"] += gap
+                row["host_late_s"] += late
+                row["device_wait_s"] += gap - late
+                if late > 0 and launch is not None:
+                    tid = launch.get("tid")
+                    if tid not in segments:
+                        segments[tid] = _innermost([x for x in events if x.get("tid") == tid and x.get("cat") in HOST_CATS])
+                    _attribute(segments[tid], end, end + late, late_by)
+            end = max(end, e["ts"] + e["dur"])
+        row = {k: round(v / 1e6, 6) for k, v in row.items()}
+        row["host_late_by"] = {k: round(v / 1e6, 6) for k, v in sorted(late_by.items(), key=lambda kv: -kv[1])[:top]}
+        out[phase] = row
+    return out
+
+
+def _innermost(thread_events):
+    """A thread's events (nested ranges) as the sequence of what ran innermost: ``(start, end, name)``
+    in order, and their starts."""
+    segments, stack = [], []
+    t = None
+
+    def emit(until):
+        if stack and t is not None and until > t:
+            segments.append((t, until, stack[-1][1]))
+
+    for e in sorted(thread_events, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1][0] <= e["ts"]:  # ranges that ended before this one begins
+            emit(stack[-1][0])
+            t = stack.pop()[0]
+        emit(e["ts"])
+        t = e["ts"]
+        stack.append((e["ts"] + e["dur"], e.get("name", "")))
+    while stack:
+        emit(stack[-1][0])
+        t = stack.pop()[0]
+    return segments, [a for a, _, _ in segments]
+
+
+def _attribute(thread, lo, hi, into):
+    """The time of [lo, hi) on a thread (``_innermost``) by the innermost operator running then
+    (``python``: none)."""
+    segments, starts = thread
+    covered = 0.0
+    k = max(0, bisect.bisect_right(starts, lo) - 1)
+    while k < len(segments) and segments[k][0] < hi:
+        a, b, name = segments[k]
+        overlap = min(b, hi) - max(a, lo)
+        if overlap > 0:
+            into[name] = into.get(name, 0.0) + overlap
+            covered += overlap
+        k += 1
+    into["python"] = into.get("python", 0.0) + (hi - lo - covered)
 
 
 def host_waits(events, cpu_ranges):

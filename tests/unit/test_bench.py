@@ -863,6 +863,51 @@ def test_profile_summary_says_where_the_cpu_waited_for_the_device():
                  "cudaHostUnregister in python": {"count": 1, "seconds": 2.5e-05}}}
 
 
+def test_profile_summary_says_why_the_compute_stream_idled():
+    """``compute_idle``: per phase, each gap on the compute stream (the one with the most kernel time) split
+    at its next operation's launch: before it the CPU was late (and what its launching thread ran then,
+    by innermost operator, ``python`` where none), after it the device waited; gaps of the launch
+    pipeline's size and other streams' work are not idling."""
+    from deepspeed_offload.bench.profile import summarize
+
+    def x(cat, name, ts, dur, tid, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    events = []
+    for it in (0, 10000):  # forward 0-1000, backward 1000-3000, step 3000-3500; autograd's thread 2
+        events += [x("user_annotation", "forward", it, 100, 1), x("user_annotation", "backward", it + 100, 50, 1),
+                   x("user_annotation", "step", it + 3000, 100, 1),
+                   x("gpu_user_annotation", "forward", it + 10, 990, 7, stream=7),
+                   x("gpu_user_annotation", "backward", it + 1000, 2000, 7, stream=7),
+                   x("gpu_user_annotation", "step", it + 3000, 500, 7, stream=7),
+                   x("kernel", "fwd", it + 10, 990, 7, stream=7, correlation=it + 1),
+                   x("cuda_runtime", "cudaLaunchKernel", it + 5, 3, 1, correlation=it + 1),
+                   # backward: launched at 1050, ran 1100-1300; then autograd's thread ran a hook
+                   # (AccumulateGrad, 1320-1780, an aten::empty of 400 us in it) and launched at 1790
+                   x("kernel", "b1", it + 1100, 200, 7, stream=7, correlation=it + 2),
+                   x("cuda_runtime", "cudaLaunchKernel", it + 1050, 3, 2, correlation=it + 2),
+                   x("cpu_op", "torch::autograd::AccumulateGrad", it + 1320, 460, 2),
+                   x("cpu_op", "aten::empty", it + 1340, 400, 2),
+                   x("kernel", "b2", it + 1800, 200, 7, stream=7, correlation=it + 3),
+                   x("cuda_runtime", "cudaLaunchKernel", it + 1790, 3, 2, correlation=it + 3),
+                   # launched at 2010, in time, but started at 2110 after a copy on stream 40
+                   x("gpu_memcpy", "Memcpy HtoD", it + 1100, 1000, 40, stream=40, correlation=it + 4),
+                   x("kernel", "b3", it + 2110, 200, 7, stream=7, correlation=it + 5),
+                   x("cuda_runtime", "cudaLaunchKernel", it + 2010, 3, 2, correlation=it + 5),
+                   x("kernel", "b4", it + 2315, 600, 7, stream=7, correlation=it + 6),  # a 5 us gap: none
+                   x("cuda_runtime", "cudaLaunchKernel", it + 2200, 3, 2, correlation=it + 6),
+                   x("kernel", "s", it + 3010, 400, 7, stream=7, correlation=it + 7),
+                   x("cuda_runtime", "cudaLaunchKernel", it + 3005, 3, 1, correlation=it + 7)]
+    idle = summarize({"traceEvents": events})["compute_idle"]
+    back = idle["backward"]
+    # gaps 1000-1100 (late 50: launched at 1050), 1300-1800 (late 490), 2000-2110 (late 10, waited 100)
+    assert back["idle_s"] == pytest.approx(710e-6) and back["host_late_s"] == pytest.approx(550e-6)
+    assert back["device_wait_s"] == pytest.approx(160e-6)
+    assert back["host_late_by"] == pytest.approx({"aten::empty": 400e-6, "torch::autograd::AccumulateGrad": 60e-6,
+                                                 "python": 90e-6})
+    assert idle["forward"]["idle_s"] == 0 and idle["step"]["idle_s"] == 0 and idle["forward"]["host_late_by"] == {}
+
+
 def test_the_llama_is_checkpointed_in_the_style_asked_without_the_deprecated_call():
     """``--grad-ckpt reentrant|non-reentrant``: every decoder layer checkpointed with that
     ``use_reentrant``, through ``activation_checkpointing_enable`` where transformers has it (its old
