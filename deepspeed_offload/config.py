@@ -91,7 +91,7 @@ class Plan(BaseModel):
         HF's "auto" fills in) where the model says it and it is larger, if below DeepSpeed's own 5e8.
         Updates in backward start once a sub-group's gradients are final, and DeepSpeed's 5e8-element
         bucket makes them final late; a smaller one makes a sub-group final at most one bucket sooner,
-        while each reduction costs backward's thread host time of its own (DeepSpeed's Python around
+        while each reduction costs host time of its own on backward's thread (DeepSpeed's Python around
         the reduce-scatter). None: DeepSpeed's own."""
         zero = self.ds_config.get("zero_optimization")
         if (self.mode != "stream" or not self.offload.overlap or self.offload.speculate_memory_gb == 0
