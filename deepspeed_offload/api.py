@@ -103,7 +103,7 @@ def build(ds_initialize, kwargs: Dict[str, Any], source=_UNRESOLVED):
         log_dist(f"[deepspeed-offload] zero_optimization.sub_group_size unset: using {plan.sub_group_size} "
                  f"elements ({BLOCK}.sub_group_mb={plan.offload.sub_group_mb})", ranks=[0])
     if bucket is not None:
-        why = "hidden_size**2, what HF's 'auto' fills in" if hidden and bucket == hidden * hidden else \
+        why = "hidden_size**2, what HF's 'auto' fills in" if bucket == hidden * hidden else \
             f"one sub-group, {plan.sub_group_size:,} elements"
         log_dist(f"[deepspeed-offload] zero_optimization.reduce_bucket_size unset: using {bucket:,} elements "
                  f"({why}; DeepSpeed's 500,000,000 would make gradients final a bucket at a time and speculated "

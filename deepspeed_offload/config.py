@@ -84,22 +84,24 @@ class Plan(BaseModel):
     sub_group_size: int
     sub_group_size_set_by_us: bool
 
-    def reduce_bucket_for(self, hidden_size=None) -> Optional[int]:
+    def reduce_bucket_for(self, hidden_size) -> Optional[int]:
         """The ``zero_optimization.reduce_bucket_size`` that ``initialize`` sets where the ds_config
         leaves it out, in stream mode where speculation can run (``overlap`` on, ``speculate_memory_gb``
-        not 0, 16-bit parameters): one sub-group's elements (``sub_group_size``), or hidden_size² (what
-        HF's "auto" fills in) where the model says it and it is larger, if below DeepSpeed's own 5e8.
-        Updates in backward start once a sub-group's gradients are final, and DeepSpeed's 5e8-element
-        bucket makes them final late; a smaller one makes a sub-group final at most one bucket sooner,
-        while each reduction costs host time of its own on backward's thread (DeepSpeed's Python around
-        the reduce-scatter). None: DeepSpeed's own."""
+        not 0, 16-bit parameters), for a model ``hidden_size`` wide (a Hugging Face model says it; None:
+        unknown): one sub-group's elements (``sub_group_size``), or hidden_size² (what HF's "auto" fills
+        in) where that is larger, if below DeepSpeed's own 5e8. Updates in backward start once a
+        sub-group's gradients are final, and DeepSpeed's 5e8-element bucket makes them final late; a
+        smaller one makes a sub-group final at most one bucket sooner, while each reduction costs host
+        time of its own on backward's thread (DeepSpeed's Python around the reduce-scatter). With more
+        than two ranks the bucket also sets the order in which the ranks' gradients are summed, so
+        where the width is unknown (not a model HF's "auto" would size) DeepSpeed's own stands and
+        plain ZeRO-3 with the same ds_config stays the bitwise reference. None: DeepSpeed's own."""
         zero = self.ds_config.get("zero_optimization")
         if (self.mode != "stream" or not self.offload.overlap or self.offload.speculate_memory_gb == 0
                 or not isinstance(zero, dict) or "reduce_bucket_size" in zero
-                or dtype_of(self.ds_config) == "fp32"):
+                or dtype_of(self.ds_config) == "fp32" or not isinstance(hidden_size, int) or hidden_size <= 0):
             return None
-        hidden_squared = hidden_size * hidden_size if isinstance(hidden_size, int) and hidden_size > 0 else 0
-        bucket = max(self.sub_group_size, hidden_squared)
+        bucket = max(self.sub_group_size, hidden_size * hidden_size)
         return bucket if bucket < DEFAULT_REDUCE_BUCKET else None
 
     def with_reduce_bucket(self, hidden_size) -> Dict[str, Any]:

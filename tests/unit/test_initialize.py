@@ -79,12 +79,14 @@ def test_enabled_passes_sub_group_size_and_clears_args(spies, tmp_path):
 
 
 def test_an_unset_reduce_bucket_becomes_one_sub_group_or_hidden_size_squared(spies, monkeypatch):
-    """Stream mode with speculation possible and no reduce_bucket_size in the ds_config: DeepSpeed gets one
-    sub-group's elements (a smaller bucket makes no sub-group's gradient final much sooner, and each
-    reduction costs host time), or hidden_size² (what HF's "auto" fills in) where a model's config says a
-    width whose square is larger; one log line says which; the caller's dict keeps its keys. A size the
-    user set, speculation off (or impossible: overlap off, fp32 parameters) or a sub-group as large as
-    DeepSpeed's own bucket leave DeepSpeed's default alone."""
+    """Stream mode with speculation possible, a model whose config says its hidden_size (a Hugging Face
+    model) and no reduce_bucket_size in the ds_config: DeepSpeed gets one sub-group's elements (a smaller
+    bucket makes no sub-group's gradient final much sooner, and each reduction costs host time), or
+    hidden_size² (what HF's "auto" fills in) where that is larger; one log line says which; the caller's
+    dict keeps its keys. A size the user set, speculation off (or impossible: overlap off, fp32
+    parameters), a sub-group as large as DeepSpeed's own bucket, or a model without a hidden_size (with
+    more than two ranks the bucket orders the gradients' sums: plain ZeRO-3 with the same ds_config stays
+    the bitwise reference) leave DeepSpeed's default alone."""
     def hf_like(hidden):
         model = torch.nn.Linear(4, 4)
         model.config = SimpleNamespace(hidden_size=hidden)
@@ -96,7 +98,6 @@ def test_an_unset_reduce_bucket_becomes_one_sub_group_or_hidden_size_squared(spi
     logged = []
     monkeypatch.setattr(api, "log_dist", lambda message, **kw: logged.append(message))
     for model, bucket, why in [(hf_like(64), sub_group, f"one sub-group, {sub_group:,} elements"),
-                               (torch.nn.Linear(4, 4), sub_group, "one sub-group"),  # no hidden_size
                                (hf_like(8192), 8192 * 8192, "hidden_size**2")]:
         spies.clear()
         logged.clear()
@@ -106,15 +107,16 @@ def test_an_unset_reduce_bucket_becomes_one_sub_group_or_hidden_size_squared(spi
         assert kwargs["config"]["zero_optimization"]["reduce_bucket_size"] == bucket
         assert "reduce_bucket_size" not in cfg["zero_optimization"]  # the caller's dict: untouched
         assert [m for m in logged if f"reduce_bucket_size unset: using {bucket:,} elements ({why}" in m], logged
-    assert cfgmod.validate(bf16).reduce_bucket_for(64) == sub_group == cfgmod.validate(bf16).reduce_bucket_for(None)
+    plan = cfgmod.validate(bf16)
+    assert plan.reduce_bucket_for(64) == sub_group and plan.reduce_bucket_for(None) is None
     left = [dict(bf16, zero_optimization={"stage": 3, "reduce_bucket_size": 1000}),
             dict(bf16, zero_optimization={"stage": 3, "sub_group_size": 500_000_000}),
             dict(bf16, optimizer_state_offload={"enabled": True, "speculate_memory_gb": 0}),
             dict(bf16, optimizer_state_offload={"enabled": True, "overlap": False}),
             ON]  # fp32 parameters: speculation does not run
-    for config in left:
+    for config, model in [(c, hf_like(64)) for c in left] + [(bf16, torch.nn.Linear(4, 4))]:
         spies.clear()
-        deepspeed_offload.initialize(model=hf_like(64), config=json.loads(json.dumps(config)))
+        deepspeed_offload.initialize(model=model, config=json.loads(json.dumps(config)))
         (_, kwargs), _ = spies
         assert kwargs["config"]["zero_optimization"].get("reduce_bucket_size") in (None, 1000), config
 
