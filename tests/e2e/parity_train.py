@@ -169,6 +169,18 @@ def _tensors(value):
             yield from _tensors(v)
 
 
+def same_tensors(before, after) -> bool:
+    """Two snapshots' ``(device, tensor)`` lists hold the same devices and the same bits. Bits, not
+    ``torch.equal``: the last rank's ZeRO-3 partitions end in padding DeepSpeed never writes
+    (``torch.empty``), and a NaN pattern there is unequal to itself although nothing touched it."""
+    def bits(t):
+        return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+    return len(before) == len(after) and all(
+        d0 == d1 and a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+        for (d0, a), (d1, b) in zip(before, after))
+
+
 def engine_snapshot(engine):
     """What a failed attach must leave as it was: the engine's and the optimizer's instance methods (the
     objects themselves), every fp32 master and optimizer-state tensor (values and device), DeepSpeed's
@@ -228,8 +240,7 @@ def attach_with_fault(engine, config, fault):
     after = engine_snapshot(engine)
     changed = [k for k in ("engine", "optimizer") if before[k].keys() != after[k].keys()
                or any(before[k][n] is not after[k][n] for n in before[k])]
-    changed += ["tensors"] if len(before["tensors"]) != len(after["tensors"]) or not all(
-        d0 == d1 and torch.equal(t0_, t1) for (d0, t0_), (d1, t1) in zip(before["tensors"], after["tensors"])) else []
+    changed += [] if same_tensors(before["tensors"], after["tensors"]) else ["tensors"]
     changed += [k for k in ("passes", "handle", "attached") if before[k] != after[k]]
     record = {"stage": stage, "ranks": fault["ranks"], "raised": raised, "seconds": seconds, "changed": changed}
     records = [None] * deepspeed.comm.get_world_size()
@@ -450,8 +461,7 @@ def colocation_with_fault(engine, fault):
     seconds = time.perf_counter() - t0
     after = colocation_snapshot(engine)
     changed = [k for k in ("offloaded", "in_store") if before[k] != after[k]]
-    changed += ["tensors"] if len(before["tensors"]) != len(after["tensors"]) or not all(
-        d0 == d1 and torch.equal(a, b) for (d0, a), (d1, b) in zip(before["tensors"], after["tensors"])) else []
+    changed += [] if same_tensors(before["tensors"], after["tensors"]) else ["tensors"]
     record = dict(fault, raised=raised, seconds=seconds, changed=changed, offloaded_after=after["offloaded"])
     records = [None] * deepspeed.comm.get_world_size()
     torch.distributed.all_gather_object(records, record)
