@@ -9,6 +9,7 @@ sub-groups, and in compile mode's runtime, whose kept sub-groups a failed reload
 one launch."""
 
 import pytest
+import torch
 
 from harness import assert_bitwise_equal, case_results, launch_cases, two_ranks_unavailable
 
@@ -67,3 +68,19 @@ def test_the_cycles_and_steps_after_them_train_as_plain_zero3(runs, case):
     else:  # the kept sub-groups came back at each reload that moved our kinds, after the failed one too
         assert len(ours["handle"]["kept"]) == 3 and any(c["reload_bytes"] for c in cycles), ours["handle"]
     assert_bitwise_equal(runs[case]["plain"], ours)
+
+
+def test_a_snapshot_compares_bits_so_untouched_nan_padding_is_unchanged():
+    """The fault records' snapshots (``parity_train.same_tensors``): the last rank's partitions end in padding
+    ZeRO-3 never writes, whose garbage may hold a NaN pattern, unequal to itself under ``torch.equal``; the
+    same bits are unchanged, one element, a device or a dtype changed is a change."""
+    from parity_train import same_tensors
+    pad = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
+    assert not torch.equal(pad, pad.clone())  # what the comparison must not rest on
+    before = [("cpu", pad.clone()), ("cpu", torch.tensor(3.0))]  # (a 0-dim tensor: Adam's step)
+    assert same_tensors(before, [("cpu", pad.clone()), ("cpu", torch.tensor(3.0))])
+    written = pad.clone()
+    written[0] = 2.0
+    for after in ([("cpu", written), before[1]], [("cuda:0", pad.clone()), before[1]],
+                  [("cpu", pad.float()), before[1]], [("cpu", pad.clone())]):
+        assert not same_tensors(before, after)
