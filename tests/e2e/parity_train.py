@@ -169,16 +169,19 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def same_tensors(before, after) -> bool:
-    """Two snapshots' ``(device, tensor)`` lists hold the same devices and the same bits. Bits, not
-    ``torch.equal``: the last rank's ZeRO-3 partitions end in padding DeepSpeed never writes
-    (``torch.empty``), and a NaN pattern there is unequal to itself although nothing touched it."""
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes. Bits, not ``torch.equal``, wherever whole partitions are compared: the
+    last rank's ZeRO-3 partitions end in padding DeepSpeed never writes (``torch.empty``), and a NaN
+    pattern there is unequal to itself although nothing touched it."""
     def bits(t):
-        return t.detach().reshape(-1).contiguous().view(torch.uint8)
+        return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
 
-    return len(before) == len(after) and all(
-        d0 == d1 and a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-        for (d0, a), (d1, b) in zip(before, after))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def same_tensors(before, after) -> bool:
+    """Two snapshots' ``(device, tensor)`` lists hold the same devices and the same bits (``same_bits``)."""
+    return len(before) == len(after) and all(d0 == d1 and same_bits(a, b) for (d0, a), (d1, b) in zip(before, after))
 
 
 def engine_snapshot(engine):
@@ -277,7 +280,7 @@ def abort_step(engine, fail_at=None):
            "slots": handle.table.slots is not None}
     if fail_at is not None:
         out["kept_on_device"] = sorted(before)
-        out["kept_reached_host"] = all(torch.equal(handle.store.view(i, MASTER), t) for i, t in before.items())
+        out["kept_reached_host"] = all(same_bits(handle.store.view(i, MASTER), t) for i, t in before.items())
     return out
 
 
