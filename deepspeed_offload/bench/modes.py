@@ -10,7 +10,8 @@ off), ``stream_overlap@B`` (overlap on, speculation off) and ``default@B`` (the 
 ``memory_budget_gb``), B a number of GiB or ``default`` (null: measured on the card); the shorthands ``all`` and the sweeps (``compile_sweep``, ``stream_sweep``,
 ``stream_overlap_sweep``: one NAME@B per ``--budgets`` entry); and the older names of ``ALIASES``,
 still accepted because docs and committed JSON use them. Any mode as ``NAME/bucket=N``: the same with
-``zero_optimization.reduce_bucket_size`` N.
+``zero_optimization.reduce_bucket_size`` N; any of ours as ``NAME/sub_group_mb=N``: with our block's
+``sub_group_mb`` N (both may follow one name, each once).
 """
 
 import copy
@@ -152,11 +153,12 @@ def _budget_mode(name, family, budget, settings):
 def describe(name, settings):
     """The ``Mode`` named ``name``. ``settings``: anything with ``sub_group_mb``, ``overlap_memory_gb``
     and ``budget_gb`` (the parsed arguments). Raises ValueError naming an unknown mode or budget.
-    ``NAME/bucket=N``: NAME with ``zero_optimization.reduce_bucket_size`` N (over ``--reduce-bucket-size``),
-    so that two buckets are compared within one run (``--rounds``: the same drift on both)."""
-    base, slash, bucket = name.partition("/")
-    if slash:
-        return _with_bucket(name, describe(base, settings), bucket)
+    ``NAME/bucket=N``: NAME with ``zero_optimization.reduce_bucket_size`` N (over ``--reduce-bucket-size``);
+    ``NAME/sub_group_mb=N`` (a mode with our block): with ``sub_group_mb`` N (over ``--sub-group-mb``); so that
+    two buckets or sub-group sizes are compared within one run (``--rounds``: the same drift on both)."""
+    base, *options = name.split("/")
+    if options:
+        return _with_options(name, describe(base, settings), options)
     mode = _fixed(name, settings)
     if mode is not None:
         return mode
@@ -172,11 +174,24 @@ def describe(name, settings):
                      f"{', '.join(SWEEPS)}, {', '.join(f + '@<GiB|default>' for f in FAMILIES)})")
 
 
-def _with_bucket(name, mode, option):
-    key, eq, value = option.partition("=")
-    if key != "bucket" or not eq or not value.isdigit() or int(value) <= 0:
-        raise ValueError(f"mode {name!r}: after '/' expected bucket=N, N a reduce_bucket_size in elements (> 0)")
-    config = _merge(copy.deepcopy(dict(mode.config)), {"zero_optimization": {"reduce_bucket_size": int(value)}})
+# NAME/KEY=N: KEY -> the ds_config entry it sets, and whether only a mode with our block has it.
+SUFFIXES = {"bucket": (("zero_optimization", "reduce_bucket_size"), False),
+            "sub_group_mb": (("optimizer_state_offload", "sub_group_mb"), True)}
+
+
+def _with_options(name, mode, options):
+    config = copy.deepcopy(dict(mode.config))
+    seen = set()
+    for option in options:
+        key, eq, value = option.partition("=")
+        if key not in SUFFIXES or key in seen or not eq or not value.isdigit() or int(value) <= 0:
+            raise ValueError(f"mode {name!r}: after '/' expected " + " or ".join(f"{k}=N" for k in SUFFIXES)
+                             + " (N > 0, each once): bucket a reduce_bucket_size in elements, sub_group_mb in MiB")
+        (section, entry), ours_only = SUFFIXES[key]
+        if ours_only and not mode.ours:
+            raise ValueError(f"mode {name!r}: {key} is a setting of our block, which {mode.name!r} does not have")
+        seen.add(key)
+        config = _merge(config, {section: {entry: int(value)}})
     return replace(mode, name=name, config=_frozen(config))
 
 

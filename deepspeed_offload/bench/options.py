@@ -26,8 +26,9 @@ def build_parser(ap=None):
     ap = ap or argparse.ArgumentParser(prog="deepspeed-offload bench", description=DESCRIPTION)
     ap.add_argument("--modes", default="all", help="comma-separated: all (the default set), "
                     f"{', '.join(SWEEPS)}, {', '.join(f + '@<GiB|default>' for f in FAMILIES)}, or from: "
-                    + ", ".join(FIXED + list(ALIASES)) + "; any of them as NAME/bucket=N: with reduce_bucket_size N "
-                    "(two buckets in one run, in turn with --rounds)")
+                    + ", ".join(FIXED + list(ALIASES)) + "; any of them as NAME/bucket=N: with reduce_bucket_size N, "
+                    "any of ours as NAME/sub_group_mb=N: with that sub_group_mb (two settings in one run, in turn "
+                    "with --rounds)")
     ap.add_argument("--budgets", default="0,8,16,32,default",
                     help="memory_budget_gb of each NAME@ mode that a sweep in --modes stands for")
     ap.add_argument("--model", choices=list(models.MODEL_DEFAULTS), default="mlp",

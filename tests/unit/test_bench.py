@@ -91,6 +91,29 @@ def test_a_mode_with_its_own_bucket_runs_beside_the_same_mode_in_one_run():
             modes.describe(bad, args)
 
 
+def test_a_mode_with_its_own_sub_group_size_runs_beside_the_same_mode_in_one_run():
+    """``NAME/sub_group_mb=N``: our block's sub_group_mb N over --sub-group-mb (with a bucket too, each
+    once); refused for a mode without our block, where it would change nothing."""
+    args = parse("--sub-group-mb", "256")
+    assert expand("default@0,default@0/sub_group_mb=512,default@0/sub_group_mb=512/bucket=9") == [
+        "default@0", "default@0/sub_group_mb=512", "default@0/sub_group_mb=512/bucket=9"]
+    block = config("default@0/sub_group_mb=512", args)["optimizer_state_offload"]
+    assert block == dict(config("default@0", args)["optimizer_state_offload"], sub_group_mb=512)
+    assert config("default@0", args)["optimizer_state_offload"]["sub_group_mb"] == 256
+    OffloadConfig(**block)
+    both = config("default@0/sub_group_mb=512/bucket=9", args)
+    assert both["optimizer_state_offload"]["sub_group_mb"] == 512 and both["zero_optimization"]["reduce_bucket_size"] == 9
+    assert config("stream/sub_group_mb=64", args)["optimizer_state_offload"]["sub_group_mb"] == 64
+    own = modes.describe("default@0/sub_group_mb=512", args)
+    assert (own.baseline, own.budget_gb, own.family) == ("resident", 0, "default")
+    assert own.file_name() == "default_at_0_sub_group_mb512"
+    for bad in ("resident/sub_group_mb=512", "dc_offload_opt_states/sub_group_mb=512", "default@0/sub_group_mb=0",
+                "default@0/sub_group_mb=512/sub_group_mb=256", "default@0/bucket=4/bucket=4", "default@0/",
+                "default@0/sub_group_mb=1.5"):
+        with pytest.raises(ValueError):
+            modes.describe(bad, args)
+
+
 def test_the_budget_sweep_is_one_run_of_several_modes():
     names = expand("all", "0,8,16,32,default")
     sweep = [m for m in names if m.startswith("compile_offload@")]
