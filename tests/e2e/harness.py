@@ -144,23 +144,27 @@ def launch_two_nodes(spec: dict, tmp_path: Path, name: str, ranks_per_node: int 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    agents = []
-    for node in (0, 1):
+    # Each agent writes into a file of its own: through pipes read one after the other, the second
+    # agent's would fill while the first is waited for, and a rank blocked writing to it stalls the
+    # collectives of all four.
+    agents, files = [], [tmp_path / f"{name}-node{node}.log" for node in (0, 1)]
+    for node, log_file in zip((0, 1), files):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                "--nproc_per_node", str(ranks_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
                str(PARITY), str(spec_file)]
-        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True))
-    logs = []
+        with open(log_file, "w") as sink:
+            agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+    deadline = time.monotonic() + timeout
     try:
         for agent in agents:
-            logs.append(agent.communicate(timeout=timeout)[0])
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for agent in agents:
             os.killpg(agent.pid, signal.SIGKILL)
         raise LaunchError(f"{name}: the two agents timed out after {timeout}s") from None
+    logs = [f.read_text() for f in files]
     for node, (agent, log) in enumerate(zip(agents, logs)):
-        (tmp_path / f"{name}-node{node}.log").write_text(log)
         if agent.returncode != 0:
             raise LaunchError(f"{name}: node {node}'s agent exited {agent.returncode}\n{log[-6000:]}")
     result = torch.load(out, weights_only=False)

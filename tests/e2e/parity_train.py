@@ -116,6 +116,17 @@ class ScriptedMemory:
         self.memory_allocated()
 
 
+LLAMA_VOCAB = 64
+
+
+def tiny_llama(hidden):
+    """transformers' LlamaForCausalLM, two layers ``hidden`` wide: a model whose config says its width."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32, use_cache=False))
+
+
 def ds_config(spec):
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
@@ -637,8 +648,11 @@ def train_with(spec):
         deepspeed.init_distributed()
     # DeepCompile expects the model partitioned as it is built, the way large models are
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=spec.get("zero_init", False)):
-        model = Net(hidden, spec.get("frozen", False), spec.get("late", False), spec.get("tied", False),
-                    spec.get("reentrant", False))
+        if spec.get("model") == "llama":  # a Hugging Face model: initialize reads its config.hidden_size
+            model = tiny_llama(hidden)
+        else:
+            model = Net(hidden, spec.get("frozen", False), spec.get("late", False), spec.get("tied", False),
+                        spec.get("reentrant", False))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if spec.get("two_groups"):
         groups = [{"params": [p for n, p in trainable if n.startswith("inp")]},
@@ -754,10 +768,14 @@ def train_with(spec):
                 if step == spec["compile_ops"].get("recompile_at") and micro == 0:
                     compile_ops.new_phase()
                 compile_ops.forward_head(x)
-            out = engine(x, use_late=step >= 2)
-            if compile_ops is not None:
-                out.register_hook(lambda grad, x=x: compile_ops.in_backward(x))
-            loss = torch.nn.functional.mse_loss(out, y)
+            if spec.get("model") == "llama":
+                ids = torch.randint(0, LLAMA_VOCAB, (batch, 16), generator=gen).to(device)
+                loss = engine(input_ids=ids, labels=ids).loss
+            else:
+                out = engine(x, use_late=step >= 2)
+                if compile_ops is not None:
+                    out.register_hook(lambda grad, x=x: compile_ops.in_backward(x))
+                loss = torch.nn.functional.mse_loss(out, y)
             if step == spec.get("overflow_step", -1) and micro == 0:
                 loss = loss * float("inf")  # every rank overflows: the step must be skipped
             engine.backward(loss)
