@@ -102,7 +102,8 @@ def test_a_mode_with_its_own_sub_group_size_runs_beside_the_same_mode_in_one_run
     assert config("default@0", args)["optimizer_state_offload"]["sub_group_mb"] == 256
     OffloadConfig(**block)
     both = config("default@0/sub_group_mb=512/bucket=9", args)
-    assert both["optimizer_state_offload"]["sub_group_mb"] == 512 and both["zero_optimization"]["reduce_bucket_size"] == 9
+    assert both["optimizer_state_offload"]["sub_group_mb"] == 512
+    assert both["zero_optimization"]["reduce_bucket_size"] == 9
     assert config("stream/sub_group_mb=64", args)["optimizer_state_offload"]["sub_group_mb"] == 64
     own = modes.describe("default@0/sub_group_mb=512", args)
     assert (own.baseline, own.budget_gb, own.family) == ("resident", 0, "default")
