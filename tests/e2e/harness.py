@@ -223,6 +223,21 @@ def assert_bitwise_equal(a: dict, b: dict, what=("losses", "fp32", "state")):
             assert torch.equal(x, y), f"{section} {key} differs: max |diff| {(x.float() - y.float()).abs().max()}"
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes. Bits, not ``torch.equal``, wherever whole partitions are compared: the
+    last rank's ZeRO-3 partitions end in padding DeepSpeed never writes (``torch.empty``), and a NaN
+    pattern there is unequal to itself although nothing touched it."""
+    def bits(t):
+        return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def same_tensors(before, after) -> bool:
+    """Two snapshots' ``(device, tensor)`` lists hold the same devices and the same bits (``same_bits``)."""
+    return len(before) == len(after) and all(d0 == d1 and same_bits(a, b) for (d0, a), (d1, b) in zip(before, after))
+
+
 def slow_writes(tag: str, seconds: float, guard: bool = True, copy_aside=None) -> dict:
     """A spec's ``faults``: each file of a save whose path contains ``tag`` waits ``seconds`` before it
     is written and again before it is renamed into place (a write slow enough to race with or to

@@ -33,7 +33,7 @@ from deepspeed_offload.compat import TENSOR_BACKWARD, at_least
 from deepspeed_offload.runtime.colocation.partitions import GRAD_VIEWS
 from deepspeed_offload.runtime.memory.host_store import MASTER
 from deepspeed_offload.runtime.memory.resplit import resplit
-from harness import NO_FP16, inject_checkpoint_faults
+from harness import NO_FP16, inject_checkpoint_faults, same_bits, same_tensors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -178,21 +178,6 @@ def _tensors(value):
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bytes. Bits, not ``torch.equal``, wherever whole partitions are compared: the
-    last rank's ZeRO-3 partitions end in padding DeepSpeed never writes (``torch.empty``), and a NaN
-    pattern there is unequal to itself although nothing touched it."""
-    def bits(t):
-        return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
-
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def same_tensors(before, after) -> bool:
-    """Two snapshots' ``(device, tensor)`` lists hold the same devices and the same bits (``same_bits``)."""
-    return len(before) == len(after) and all(d0 == d1 and same_bits(a, b) for (d0, a), (d1, b) in zip(before, after))
 
 
 def engine_snapshot(engine):

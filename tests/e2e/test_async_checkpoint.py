@@ -11,9 +11,8 @@ import re
 import pytest
 import torch
 
-from harness import HERE, assert_bitwise_equal, slow_writes, two_ranks_unavailable
+from harness import HERE, assert_bitwise_equal, same_bits, slow_writes, two_ranks_unavailable
 from harness import launch as _launch
-from parity_train import same_bits
 
 from deepspeed_offload.runtime import checkpoint as ck
 from deepspeed_offload.runtime.checkpoint.files import DIGEST
@@ -37,7 +36,7 @@ def files_of(ckpt_dir, tag):
 
 
 def tensors_equal(a, b, where=""):
-    """Recursively: same structure, tensors with the same bits (``parity_train.same_bits``: the optimizer's
+    """Recursively: same structure, tensors with the same bits (``harness.same_bits``: the optimizer's
     flat partitions end in padding nobody writes, maybe a NaN pattern) and ``requires_grad``, other leaves
     ==. The device a tensor was saved from is not compared: the asynchronous files are written from host
     copies, so on a GPU they hold CPU tensors where DeepSpeed's synchronous save pickles device tensors

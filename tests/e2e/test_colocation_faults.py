@@ -11,7 +11,7 @@ one launch."""
 import pytest
 import torch
 
-from harness import assert_bitwise_equal, case_results, launch_cases, two_ranks_unavailable
+from harness import assert_bitwise_equal, case_results, launch_cases, same_tensors, two_ranks_unavailable
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(two_ranks_unavailable() is not None, reason=str(two_ranks_unavailable()))]
@@ -71,10 +71,9 @@ def test_the_cycles_and_steps_after_them_train_as_plain_zero3(runs, case):
 
 
 def test_a_snapshot_compares_bits_so_untouched_nan_padding_is_unchanged():
-    """The fault records' snapshots (``parity_train.same_tensors``): the last rank's partitions end in padding
+    """The fault records' snapshots (``harness.same_tensors``): the last rank's partitions end in padding
     ZeRO-3 never writes, whose garbage may hold a NaN pattern, unequal to itself under ``torch.equal``; the
     same bits are unchanged, one element, a device or a dtype changed is a change."""
-    from parity_train import same_tensors
     pad = torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)
     assert not torch.equal(pad, pad.clone())  # what the comparison must not rest on
     before = [("cpu", pad.clone()), ("cpu", torch.tensor(3.0))]  # (a 0-dim tensor: Adam's step)
