@@ -231,6 +231,11 @@ def check_stats(spec, name, ours):
         # loaded once, and once more where its update from backward was discarded
         assert stats["loaded_early"] + stats["loaded_in_step"] == offloaded + stats["discarded"], (name, k, stats)
         early = stats["loaded_early"]
+        # the bytes the step loaded itself: all of them where nothing loaded early, none where nothing loaded in it
+        assert 0 <= stats["bytes_in_step"] <= stats["bytes_h2d"], (name, k, stats)
+        assert (stats["bytes_in_step"] == 0) == (stats["loaded_in_step"] == 0), (name, k, stats)
+        if early == 0:
+            assert stats["bytes_in_step"] == stats["bytes_h2d"], (name, k, stats)
         if name in ("overlap", "checkpoint", "resume") and ON_CPU:
             assert early == offloaded, (name, k, stats)  # no device memory limit on the CPU
         elif name == "overlap_tiny" and not stats["speculated"]:

@@ -7,10 +7,10 @@ The keys of ``step_stats()``: ``bytes_h2d`` / ``bytes_d2h`` (state copied to / f
 (updated by the step itself), ``committed`` (updated in backward, taken by the step: ``sub_groups +
 committed == offloaded``), ``speculated`` / ``discarded`` (updated in backward / rolled back),
 ``loaded_early`` (in backward), ``loaded_in_step`` (in the step, ``loaded_at_entry`` of them while
-DeepSpeed computed the norm), ``h2d_wait_s`` (the compute stream waiting for loads: exposed copy
-time), ``update_s``, ``d2h_s`` (device seconds), ``step_s`` (wall seconds in DeepSpeed's
-``step()``), ``iteration_s`` (wall seconds from the step's first forward to its end),
-``input_numel`` (its largest forward input, in elements).
+DeepSpeed computed the norm; ``bytes_in_step`` of ``bytes_h2d``: what the step itself waits to move),
+``h2d_wait_s`` (the compute stream waiting for loads: exposed copy time), ``update_s``, ``d2h_s``
+(device seconds), ``step_s`` (wall seconds in DeepSpeed's ``step()``), ``iteration_s`` (wall seconds
+from the step's first forward to its end), ``input_numel`` (its largest forward input, in elements).
 """
 
 import logging
@@ -40,6 +40,7 @@ class StepStats:
         self.loaded_early = 0  # sub-groups loaded before the step (in backward)
         self.loaded_in_step = 0
         self.loaded_at_entry = 0  # ... of them, loaded as DeepSpeed's step began, before its norm
+        self.bytes_in_step = 0  # the bytes of loaded_in_step
         self.speculated = 0  # sub-groups updated in backward (speculation.py) ...
         self.committed = 0  # ... whose update the step took
         self.discarded = 0  # ... and dropped (clipping, overflow)
@@ -54,6 +55,7 @@ class StepStats:
                "resident": self.resident, "step_s": self.step_s, "iteration_s": self.iteration_s,
                "input_numel": self.input_numel,
                "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step,
+               "bytes_in_step": self.bytes_in_step,
                "loaded_at_entry": self.loaded_at_entry,
                "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded}
         for kind, spans in self._spans.items():

@@ -184,6 +184,7 @@ class StreamMode:
             self.stats.loaded_early += 1
         else:
             self.stats.loaded_in_step += 1
+            self.stats.bytes_in_step += nbytes
             self.stats.span("h2d_wait", span)  # a synchronous copy in the step: time the step waits
 
     # ------------------------------------------------------------------ the streamed step
