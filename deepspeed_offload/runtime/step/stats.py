@@ -46,6 +46,17 @@ class StepStats:
         self.discarded = 0  # ... and dropped (clipping, overflow)
         self._spans: Dict[str, List] = {kind: [] for kind in self.KINDS}
 
+    def loaded(self, nbytes: int, early: bool, span):
+        """A sub-group's state started to load: early (in backward) or in the step, where ``span`` times
+        what the step waits for it."""
+        self.bytes_h2d += nbytes
+        if early:
+            self.loaded_early += 1
+        else:
+            self.loaded_in_step += 1
+            self.bytes_in_step += nbytes
+            self.span("h2d_wait", span)  # a synchronous copy in the step: time the step waits
+
     def span(self, kind, span):
         if span is not None:
             self._spans[kind].append(span)

@@ -179,13 +179,7 @@ class StreamMode:
         if self.stats is None:
             self.stats = StepStats(self.copies)
         nbytes, span = self.table.load(i, staged=staged)
-        self.stats.bytes_h2d += nbytes
-        if early:
-            self.stats.loaded_early += 1
-        else:
-            self.stats.loaded_in_step += 1
-            self.stats.bytes_in_step += nbytes
-            self.stats.span("h2d_wait", span)  # a synchronous copy in the step: time the step waits
+        self.stats.loaded(nbytes, early, span)
 
     # ------------------------------------------------------------------ the streamed step
 
