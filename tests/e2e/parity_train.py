@@ -272,8 +272,13 @@ def abort_step(engine, fail_at=None):
         raised = str(e)
     finally:
         base.step = real_step
+    opt = engine.optimizer
     out = {"raised": raised, "host_resident": handle.tensors.host_resident(), "in_step": handle._in_step,
-           "slots": handle.table.slots is not None}
+           "slots": handle.table.slots is not None,
+           # as DeepSpeed keeps them: each 16-bit partition the cast of its master (a speculated update
+           # settled into it as the step began was put back where the step did not reach it)
+           "partitions_are_casts": all(torch.equal(lp, hp.to(lp.dtype)) for lp, hp in
+                                       zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat))}
     if fail_at is not None:
         out["kept_on_device"] = sorted(before)
         out["kept_reached_host"] = all(same_bits(handle.store.view(i, MASTER), t) for i, t in before.items())
@@ -687,10 +692,20 @@ def train_with(spec):
 
         copies.side = slow_side
     if spec.get("no_step_end_join") and speculation is not None:
-        # the negative control: the next forward does not wait for the commits' copies of the kept
-        # 16-bit casts into DeepSpeed's partitions, and the casts are dropped before the compute
-        # stream joined the side stream (step_ends without its join)
+        # the negative control: the next forward does not wait for the copies of the kept 16-bit casts
+        # into DeepSpeed's partitions, and the casts are dropped before the compute stream joined the
+        # side stream (step_ends without its join, and settle_casts, at the step's entry, without its own)
         speculation.step_ends = lambda: setattr(speculation, "committing", {})
+        settle, spec_copies = speculation.settle_casts, speculation.mode.copies
+
+        def unjoined_settle():
+            join, spec_copies.join_side = spec_copies.join_side, lambda: None
+            try:
+                return settle()
+            finally:
+                spec_copies.join_side = join
+
+        speculation.settle_casts = unjoined_settle
     if spec.get("loads_from_hook") is not None and speculation is not None:
         # the early loads held back until that gradient hook of each boundary backward (as a GPU's memory
         # may hold them back): what became final before then is updated there, later in backward; and
@@ -724,6 +739,17 @@ def train_with(spec):
             result_extra["early_cap"] = handle.timing.early_cap
 
         handle.early.load = watched
+        at_entry = handle.early.at_step_entry
+
+        def watched_entry(first):
+            # the step's entry loads (after speculation settled its casts) within the same cap
+            n = at_entry(first)
+            held = handle.table.held_early() + speculation.held_bytes
+            result_extra["entry_held_max"] = max(result_extra.get("entry_held_max", 0), held)
+            result_extra["entry_own_loads"] = result_extra.get("entry_own_loads", 0) + n
+            return n
+
+        handle.early.at_step_entry = watched_entry
 
     device = get_accelerator().current_device_name()
     dtype = DTYPES[spec.get("dtype", "bf16")]

@@ -387,7 +387,8 @@ def test_the_measured_plan_takes_state_back_when_reload_states_returns_memory(tm
 def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
     out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path,
                  "abort")
-    assert out["abort"] == {"raised": "injected failure", "host_resident": True, "in_step": False, "slots": False}
+    assert out["abort"] == {"raised": "injected failure", "host_resident": True, "in_step": False, "slots": False,
+                            "partitions_are_casts": True}
     assert len(out["losses"]) == 4 and out["handle"]["steps"] == 4  # the steps after it ran and streamed
 
 

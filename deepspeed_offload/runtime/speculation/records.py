@@ -30,12 +30,19 @@ class Speculated:
     group_after: Dict[str, object]  # its param group's entries after the update
     group_before: Dict[str, object]  # ... and before (a change by the step's time voids the update)
     loss_scale: float  # the one the update used
-    lp: torch.Tensor  # the 16-bit cast of the updated master, on the device (made on the side stream)
+    # the 16-bit cast of the updated master, on the device (made on the side stream); None once ``settle_casts``
+    # wrote it into the sub-group's 16-bit partition as the step began
+    lp: Optional[torch.Tensor]
     kept: Optional[Dict[torch.dtype, torch.Tensor]] = None  # ``DEVICE_COPY``: the state before, on the device
+
+    @property
+    def settled(self) -> bool:
+        """Its cast is in the 16-bit partition already: a rollback puts the cast of the state before back."""
+        return self.lp is None
 
     def nbytes(self) -> int:
         """Device memory it holds until the step."""
-        held = [self.lp, *(self.kept.values() if self.kept else ())]
+        held = [*([self.lp] if self.lp is not None else ()), *(self.kept.values() if self.kept else ())]
         return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -53,6 +60,8 @@ class Counters:
     backed_off: int = 0  # boundary backwards that did not speculate (``Backoff``)
     from_device: int = 0  # updates whose state before was kept on the device (``Rollback.DEVICE_COPY``)
     restored: int = 0  # ... discarded: the state before copied back from the device
+    settled: int = 0  # casts written into their 16-bit partitions as the step began (``Speculation.settle_casts``)
+    unsettled: int = 0  # ... and put back (the cast of the state before) when the update was discarded
 
     def as_dict(self):
         return asdict(self)

@@ -24,16 +24,21 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
     rise). For the sub-groups the host has no second region for.
 
   The updates run on a side stream: backward never waits for a load or an update;
+- as the step begins, before DeepSpeed's norm (bf16): each cast is **settled** into its 16-bit
+  partition, so that the casts' device memory is free for the step's first loads while DeepSpeed
+  computes the norm. Nothing reads the partitions between there and DeepSpeed's loop, and each one
+  is the cast of its master at every step's end: a discarded update puts back the cast of the state
+  before (from its device copy, or from its current host region);
 - at the step, once DeepSpeed has the norm: if it did not overflow, the loss scale and the
   hyper-parameters are the ones the update used, and the clip factor is exactly 1, each updated
   sub-group is **committed** in DeepSpeed's loop (a second region becomes current; a device copy
   is dropped: nothing is copied either way but the 16-bit partition, from the cast kept on the
-  device); otherwise everything speculated is **discarded** and the step runs as if nothing had
-  happened (a current region overwritten gets the device copy back first). Where rollbacks repeat
+  device, unless it was settled); otherwise everything speculated is **discarded** and the step runs
+  as if nothing had happened (a current region overwritten gets the device copy back first). Where rollbacks repeat
   (clipping fires at every step), ``Backoff`` spaces the backwards that speculate out, so that the
   steps that reload what they wrote back stay rare.
 
-A sub-group's speculation goes ``final -> updated -> committed | discarded``; this class is the one
+A sub-group's speculation goes ``final -> updated [-> settled] -> committed | discarded``; this class is the one
 place that moves it. Every offloaded sub-group is a member; second regions go to the ones whose
 gradients are final first (the last layers), within ``speculate_memory_gb`` of host memory per rank,
 chosen at attach; the others roll back from a device copy. Readers of host state between backward
@@ -47,8 +52,10 @@ from typing import Dict, List
 
 import torch
 
+from ..memory.host_store import MASTER
 from .compute import update_in_backward
-from .records import BACKS_OFF, Backoff, Counters, Rollback, Speculated, group_entries, restore_group, restore_state, same_entries
+from .records import (BACKS_OFF, Backoff, Counters, Rollback, Speculated, group_entries, restore_group, restore_state,
+                      same_entries)
 
 
 class Speculation:
@@ -191,6 +198,45 @@ class Speculation:
 
     # ------------------------------------------------------------------ the step
 
+    def settle_casts(self) -> int:
+        """As DeepSpeed's step begins, before its norm (``StreamMode.step_entered``): every update's 16-bit
+        cast into its sub-group's partition, and the cast's block free, for the step's first loads. Not
+        with fp16, whose dynamic loss scale skips steps often (each would put the casts back). Returns
+        how many it settled."""
+        self._boundary = False  # backward is over: nothing more is updated in it (``held_bytes``)
+        todo = {i: s for i, s in self.updated.items() if not s.settled}
+        if not todo or self.opt.fp16_partitioned_groups_flat[next(iter(todo))].dtype == torch.float16:
+            return 0
+        copies = self.mode.copies
+        queued = copies.mark()  # (backward's last reads of the partitions, on the compute stream)
+        with copies.side():  # after the updates that made the casts
+            copies.compute_waits(queued)
+            for i, spec in todo.items():
+                flat = self.opt.fp16_partitioned_groups_flat[i]
+                copies.uses(reads=(spec.lp, ), writes=(flat, ))
+                flat.data.copy_(spec.lp)
+        copies.join_side()  # the casts' blocks (and the fp32 gradient buffer) go back in the compute stream's order
+        self.grad_buffer = None
+        for spec in todo.values():
+            spec.lp = None
+        self.counters.settled += len(todo)
+        return len(todo)
+
+    def _unsettle(self, i: int, spec: Speculated):
+        """Discarded after ``settle_casts``: sub-group ``i``'s 16-bit partition gets the cast of its master before
+        the update back (DeepSpeed keeps the partition the cast of the master), from the device copy
+        of the state before, or from its current host region (which the update did not write). On the
+        current stream, after ``join_side``; only where a step discards its updates."""
+        flat = self.opt.fp16_partitioned_groups_flat[i]
+        if spec.kept is not None:
+            s = self.mode.store.slices[i][MASTER]
+            master = spec.kept[s.dtype].narrow(0, s.offset, s.numel)
+        else:
+            master = self.mode.store.view(i, MASTER).to(flat.device, non_blocking=True)
+        flat.data.copy_(master)
+        self.opt._unflatten_partitioned_parameters(i)
+        self.counters.unsettled += 1
+
     def decide(self):
         """At the step's start (DeepSpeed has the norm and did not overflow): commit every update or
         none. Also learns the order gradients became final in, for the next backward's loads."""
@@ -262,6 +308,9 @@ class Speculation:
         def reassign(sub_group_id, *args, **kwargs):
             if sub_group_id not in self.committing:
                 return orig(sub_group_id, *args, **kwargs)
+            if self.committing[sub_group_id] is None:  # settled: the partition holds the cast already
+                self.opt._unflatten_partitioned_parameters(sub_group_id)
+                return None
             flat = self.opt.fp16_partitioned_groups_flat[sub_group_id]
             copies = self.mode.copies
             queued = copies.mark()
@@ -320,8 +369,10 @@ class Speculation:
         recorded on the side stream."""
         self.mode.copies.join_side()
         for i, spec in self.updated.items():
+            if spec.settled:
+                self._unsettle(i, spec)  # (before the device copy it may read is dropped)
             self._roll_back(i, spec)
-        self.mode.copies.free(*[s.lp for s in self.updated.values()],
+        self.mode.copies.free(*[s.lp for s in self.updated.values() if s.lp is not None],
                                  *[lp for lp in self.committing.values() if lp is not None],
                                  *([self.grad_buffer] if self.grad_buffer is not None else []))
         self.grad_buffer = None

@@ -3,7 +3,8 @@
 In the boundary micro-batch's backward, as gradients are reduced and backward frees activations,
 the sub-groups the step will update load ahead of it, as far as ``LoadTiming`` allows without
 raising the iteration's peak: speculation's members first (in the order their gradients became
-final last time, so each arrives about when it can be updated), then the step's order. A backward
+final last time, so each arrives about when it can be updated), then the step's order; and as the
+step begins, the step's first ones the slots do not take (``at_step_entry``). A backward
 that differs from the measured one unloads what was loaded (``LoadTiming.take_divergence``).
 Stream mode owns one of these; compile mode places its loads from its graphs instead.
 """
@@ -85,6 +86,27 @@ class EarlyLoads:
                 mode.load(i, staged=False, early=True)
                 held += needed
             self.next += 1
+
+    def at_step_entry(self, first: List[int]) -> int:
+        """As the step begins, after the slots took their share of ``first`` (the step's first sub-groups,
+        in its order): the next of them into buffers of their own while what is held into the step
+        stays within ``LoadTiming.entry_allowance``, so that the link keeps loading while DeepSpeed
+        computes the gradient norm; the step updates them where they are. Returns how many loaded."""
+        mode = self.mode
+        room = mode.timing.entry_allowance()
+        if room is None:
+            return 0
+        spec = mode.speculation
+        held, n = mode.table.held_early() + (spec.held_bytes if spec is not None else 0), 0  # all held now
+        for i in first:
+            if mode.table[i].on_device:
+                continue
+            if held + mode.layout.nbytes[i] > room:
+                break
+            mode.load(i, staged=False, early=False)
+            held += mode.layout.nbytes[i]
+            n += 1
+        return n
 
     def held_into_step(self) -> int:
         """Device memory that what was loaded early and what the updates keep will still hold when the

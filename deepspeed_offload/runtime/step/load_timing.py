@@ -1,12 +1,14 @@
 """When offloaded sub-groups load: one policy object, asked by stream mode and compile mode alike.
 
-Three ways a sub-group reaches the device before DeepSpeed updates it:
+Four ways a sub-group reaches the device before DeepSpeed updates it:
 
 - **early**, during the boundary micro-batch's backward, into buffers of its own (stream mode with
   ``overlap``): as much as fits *without raising the iteration's peak*;
 - **prefetch**, the step's first streamed sub-groups into the two staging slots when backward
   begins (``prefetch``, when early loads are off or not yet allowed), or else when DeepSpeed's step
   begins, so that they load while it computes the gradient norm (``step_begins``);
+- **at the step's entry**, after the slots, into buffers of their own (``entry_allowance``: what
+  the measured step leaves below the peak), so that the link keeps loading through the norm;
 - **in the step**, through the slots, each load started as a sub-group before it leaves its place.
 
 Sub-groups compile mode keeps on the device (``kept``) are never prefetched into a slot (they would
@@ -244,6 +246,14 @@ class LoadTiming:
         if not self.future or self.step_figure is None:
             return 0
         return max(0, self.peak_off - self.step_figure - self.held_back)
+
+    def entry_allowance(self) -> Optional[float]:
+        """Bytes that what the step holds in buffers of their own may reach as it begins, before
+        DeepSpeed's norm (``EarlyLoads.at_step_entry``): ``step_allowance``, where early loads run and
+        this step's backward was like the measured one; None: none load then."""
+        if not self.early_in_backward or self._diverged or not (self.future or self.synchronous or self.early_cap):
+            return None
+        return self.step_allowance()
 
     def prefetch_order(self, streamed: Iterable[int]) -> List[int]:
         """What prefetch loads into the slots, in order, as many as they take: the streamed

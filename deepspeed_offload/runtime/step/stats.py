@@ -6,6 +6,7 @@ The keys of ``step_stats()``: ``bytes_h2d`` / ``bytes_d2h`` (state copied to / f
 ``offloaded`` / ``resident`` (sub-groups streamed / kept on the device this step), ``sub_groups``
 (updated by the step itself), ``committed`` (updated in backward, taken by the step: ``sub_groups +
 committed == offloaded``), ``speculated`` / ``discarded`` (updated in backward / rolled back),
+``settled`` (of the speculated, the casts written into their 16-bit partitions as the step began),
 ``loaded_early`` (in backward), ``loaded_in_step`` (in the step, ``loaded_at_entry`` of them while
 DeepSpeed computed the norm; ``bytes_in_step`` of ``bytes_h2d``: what the step itself waits to move),
 ``h2d_wait_s`` (the compute stream waiting for loads: exposed copy time), ``update_s``, ``d2h_s``
@@ -44,6 +45,7 @@ class StepStats:
         self.speculated = 0  # sub-groups updated in backward (speculation.py) ...
         self.committed = 0  # ... whose update the step took
         self.discarded = 0  # ... and dropped (clipping, overflow)
+        self.settled = 0  # ... whose casts went into their 16-bit partitions as the step began
         self._spans: Dict[str, List] = {kind: [] for kind in self.KINDS}
 
     def loaded(self, nbytes: int, early: bool, span):
@@ -68,7 +70,8 @@ class StepStats:
                "loaded_early": self.loaded_early, "loaded_in_step": self.loaded_in_step,
                "bytes_in_step": self.bytes_in_step,
                "loaded_at_entry": self.loaded_at_entry,
-               "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded}
+               "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded,
+               "settled": self.settled}
         for kind, spans in self._spans.items():
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
         return out

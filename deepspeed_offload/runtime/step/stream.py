@@ -186,20 +186,24 @@ class StreamMode:
     def step_entered(self):
         """DeepSpeed's ``step()`` begins; before its first sub-group it computes the gradient norm and
         waits for it on the CPU. Meanwhile the first sub-groups the step streams load into the slots,
-        where ``LoadTiming.step_begins`` allows: those first both if backward's updates are committed
-        and if not (the order depends on the norm). What backward put in the slots stays there."""
+        where ``LoadTiming.step_begins`` allows, then into buffers of their own as far as
+        ``LoadTiming.entry_allowance`` allows (speculation's casts settled first, their memory free):
+        those first both if backward's updates are committed and if not (the order depends on the
+        norm). What backward put in the slots stays there."""
         if self.stats is None:
             self.stats = StepStats(self.copies)  # every step has its figures, offloaded sub-groups or not
         self.arrival.before_step()  # state the measured plan just made resident: its copies first
         if self._in_step or not self.timing.step_begins() or self.table.in_slots():
             return
         updated = self.speculation.updated if self.speculation is not None else {}
+        if self.speculation is not None:
+            self.stats.settled = self.speculation.settle_casts()  # the casts' memory, free for these loads
         if_committed = self.timing.prefetch_order(self.stream_order(committing=updated))
         if_discarded = self.timing.prefetch_order(self.stream_order(committing=()))
         first = [i for i, j in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(if_committed, if_discarded))]
         self.prefetch_into_slots(first, early=False)
-        if self.stats is not None:
-            self.stats.loaded_at_entry = len(self.table.in_slots())
+        own = self.early.at_step_entry(first)  # what the slots did not take, as far as the step's room allows
+        self.stats.loaded_at_entry = len(self.table.in_slots()) + own
 
     def streams(self, i: int) -> bool:
         """Sub-group ``i``'s state is offloaded: the step brings it in and sends it out."""
