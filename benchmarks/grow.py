@@ -114,8 +114,8 @@ def main():
                 stats = handle.step_stats() or {}
                 row.update(resident=len(handle.resident), streamed=len(handle.order),
                            **{k: stats.get(k) for k in ("speculated", "committed", "discarded", "loaded_early",
-                                                       "loaded_in_step", "bytes_in_step", "h2d_wait_s", "update_s",
-                                                       "d2h_s", "step_s")},
+                                                       "loaded_in_step", "loaded_at_entry", "bytes_in_step", "settled",
+                                                       "h2d_wait_s", "update_s", "d2h_s", "step_s")},
                            divergences=handle.timing.divergences, measurements=handle.timing.measurements,
                            pinned_gib=handle.store.pinned_bytes / 2**30)
             rows.append(row)
