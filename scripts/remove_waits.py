@@ -89,8 +89,8 @@ WAITS = [
     Wait("reassign.queued", SPEC, "copies.compute_waits(queued)\n                copies.uses",
          "pass\n                copies.uses", "a commit's copy into the 16-bit partition after the compute stream's "
          "work so far", (SPECULATION, )),
-    Wait("settle.queued", SPEC, "copies.compute_waits(queued)\n            for i, spec in todo.items():",
-         "pass\n            for i, spec in todo.items():", "a settled cast's copy into the 16-bit partition after "
+    Wait("settle.queued", SPEC, "copies.compute_waits(queued)\n                for i, spec in todo.items():",
+         "pass\n                for i, spec in todo.items():", "a settled cast's copy into the 16-bit partition after "
          "the compute stream's work so far (backward's reads of the partition)", (SPECULATION, )),
     Wait("settle.join", SPEC, "copies.join_side()  # the casts' blocks", "pass  # the casts' blocks",
          "the casts dropped at the step's entry (and the step's own work) after the settling copies",

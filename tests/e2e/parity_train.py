@@ -789,6 +789,12 @@ def train_with(spec):
                 loss = torch.nn.functional.mse_loss(out, y)
             if step == spec.get("overflow_step", -1) and micro == 0:
                 loss = loss * float("inf")  # every rank overflows: the step must be skipped
+            if step in spec.get("set_fp32_at", ()) and micro == 0:
+                # an fp32 master written between steps (DeepSpeed's 16-bit partition catches up at the next
+                # applied step), before the backward
+                from deepspeed import utils as ds_utils
+                p = next(p for p in engine.module.parameters() if p.requires_grad)
+                ds_utils.safe_set_full_fp32_param(p, ds_utils.safe_get_full_fp32_param(p) * 0.5)
             engine.backward(loss)
             if scripted is not None:
                 scripted.memory_allocated()  # the peak: activations alive, the gradients reduced

@@ -65,6 +65,9 @@ CASES = {
     # bf16 gradients that are infinite at step 3: its updates, settled into the 16-bit partitions as
     # the step began, are discarded when DeepSpeed skips the step (a non-finite norm), their casts put back
     "nonfinite_skips": dict(clip=HUGE, overflow_step=3, steps=6),
+    # the same after an fp32 master was written at that step (safe_set_full_fp32_param): its 16-bit
+    # partition is not its master's cast until a step applies, so nothing settles at the skipped step
+    "fp32_written_skips": dict(clip=HUGE, overflow_step=3, set_fp32_at=[3], steps=6),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
     "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7, backoff=0),
     # the fp32 parameters and Adam's moments read between backward and the step: the state before the
@@ -73,7 +76,7 @@ CASES = {
 }
 # the cases whose variants also speculate with second regions for a few sub-groups only
 FROM_DEVICE_CASES = ("never_clips", "clips_on_odd_steps", "early_cap", "reentrant_tied", "gradient_written",
-                     "fp16_scale_moves", "state_read", "nonfinite_skips")
+                     "fp16_scale_moves", "state_read", "nonfinite_skips", "fp32_written_skips")
 
 
 def variants(case):
@@ -185,6 +188,9 @@ def test_speculation_parity(case_runs, case):
         elif case == "fp16_scale_moves":
             assert c["committed"] > 0 and c["discarded"] > 0, c  # scale changes and the overflow roll back
             assert c["settled"] == 0, c  # fp16 settles nothing early (its scale skips steps)
+        elif case == "fp32_written_skips":
+            assert c["reasons"] == {"overflow": 1} and c["unsettled"] == 0, c
+            assert c["settled"] == c["committed"] > 0, c
         elif case == "nonfinite_skips":
             # steps 2, 3 and 6 commit (1 creates Adam's state, 5 backs off after the skip)
             assert c["reasons"] == {"overflow": 1} and c["commit_steps"] == 3 and c["backed_off"] == 1, c

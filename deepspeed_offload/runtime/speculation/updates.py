@@ -69,6 +69,7 @@ class Speculation:
         self.counters = Counters()
         self.backoff = Backoff()
         self.force_commit = False  # tests only: commit without the norm check (the negative control)
+        self.masters_written = False  # since the last applied step (``master_written``)
         self._boundary = False
         self._seen: Dict[int, set] = {}  # this boundary backward: sub-group -> ds_ids of its parameters partitioned
         self._final: List[int] = []  # final, not yet updated, in the order they became final
@@ -205,22 +206,31 @@ class Speculation:
         how many it settled."""
         self._boundary = False  # backward is over: nothing more is updated in it (``held_bytes``)
         todo = {i: s for i, s in self.updated.items() if not s.settled}
-        if not todo or self.opt.fp16_partitioned_groups_flat[next(iter(todo))].dtype == torch.float16:
+        if not todo or self.masters_written or \
+                self.opt.fp16_partitioned_groups_flat[next(iter(todo))].dtype == torch.float16:
             return 0
-        copies = self.mode.copies
+        copies, casts = self.mode.copies, []
         queued = copies.mark()  # (backward's last reads of the partitions, on the compute stream)
-        with copies.side():  # after the updates that made the casts
-            copies.compute_waits(queued)
-            for i, spec in todo.items():
-                flat = self.opt.fp16_partitioned_groups_flat[i]
-                copies.uses(reads=(spec.lp, ), writes=(flat, ))
-                flat.data.copy_(spec.lp)
-        copies.join_side()  # the casts' blocks (and the fp32 gradient buffer) go back in the compute stream's order
+        try:
+            with copies.side():  # after the updates that made the casts
+                copies.compute_waits(queued)
+                for i, spec in todo.items():
+                    flat = self.opt.fp16_partitioned_groups_flat[i]
+                    copies.uses(reads=(spec.lp, ), writes=(flat, ))
+                    flat.data.copy_(spec.lp)
+                    casts.append(spec.lp)  # (settled from here on: a rollback puts the cast before back)
+                    spec.lp = None
+                    self.counters.settled += 1
+        finally:
+            copies.join_side()  # the casts' blocks (and the fp32 gradient buffer) go back in the compute stream's order
         self.grad_buffer = None
-        for spec in todo.values():
-            spec.lp = None
-        self.counters.settled += len(todo)
-        return len(todo)
+        return len(casts)
+
+    def master_written(self):
+        """A writer of fp32 masters alone (``safe_set_full_fp32_param``: DeepSpeed's partitions catch up at
+        the next applied step) ran: until that step ends, a partition may differ from its master's cast,
+        which ``_unsettle`` could not put back, so nothing settles."""
+        self.masters_written = True
 
     def _unsettle(self, i: int, spec: Speculated):
         """Discarded after ``settle_casts``: sub-group ``i``'s 16-bit partition gets the cast of its master before
@@ -232,7 +242,7 @@ class Speculation:
             s = self.mode.store.slices[i][MASTER]
             master = spec.kept[s.dtype].narrow(0, s.offset, s.numel)
         else:
-            master = self.mode.store.view(i, MASTER).to(flat.device, non_blocking=True)
+            master = self.mode.store.view(i, MASTER).to(flat.device)  # (synchronous: a writer may follow)
         flat.data.copy_(master)
         self.opt._unflatten_partitioned_parameters(i)
         self.counters.unsettled += 1
@@ -329,6 +339,7 @@ class Speculation:
     def step_ends(self):
         self.mode.copies.join_side()  # the next forward reads the committed 16-bit partitions
         self.committing = {}  # the casts, after the join (``JOINED``)
+        self.masters_written = False  # DeepSpeed's loop wrote every partition from its master
 
     def discard(self, i: int, why: str):
         """Drop sub-group ``i``'s update alone (``why``: counted): its gradient changed after it, the other

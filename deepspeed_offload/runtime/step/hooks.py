@@ -26,6 +26,8 @@ import torch
 READERS = ("state_dict", "_get_fp32_opt_state_partition")
 # ... and that write it: they also wait for a checkpoint write and drop what was loaded early.
 WRITERS = ("_restore_from_bit16_weights", "_restore_from_fp32_weights", "set_full_hp_param", "set_local_hp_param")
+# ... of them, those that write the fp32 masters alone (the 16-bit partitions catch up at the next applied step)
+MASTER_WRITERS = ("set_full_hp_param", "set_local_hp_param")
 # ... and that write the gradient partitions between backward and the step (safe_set_full_grad and
 # its kin): an update speculated from the gradients before them is void.
 GRAD_WRITERS = ("set_fp32_grad_for_param", "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized")
@@ -190,6 +192,8 @@ def _around(mode, fn, writes=False, after=None):
             if writes:
                 mode.colocation.refuse_if_offloaded(fn.__name__ + "()")
                 mode.discard_speculation("state written")  # computed from the state this replaces
+                if fn.__name__ in MASTER_WRITERS and mode.speculation is not None:
+                    mode.speculation.master_written()
                 mode.guard()
                 mode.table.unload_all()  # loaded early: the old values
         result = fn(*args, **kwargs)
