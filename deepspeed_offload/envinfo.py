@@ -35,14 +35,11 @@ from importlib import import_module, metadata
 from .env_settings import read_env
 from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, memlock_limit, numa_nodes,
                           pci_numa_node)
+from .runtime.memory.iteration_memory import ALLOC_CONF_ENV
 
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
 BANDWIDTH_GIB = 1
-# The caching allocator's settings, under each name torch reads (which one wins depends on the torch
-# version; collect_env shows them too, but older torch releases only one): expandable_segments changes
-# how much memory it reserves around the same allocations.
-ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 BUILD_ENV = ("DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR",
              "DS_BUILD_OPS")
 

@@ -6,6 +6,7 @@ import pytest
 from deepspeed_offload.errors import ConfigError
 from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
 from deepspeed_offload.runtime.memory.node_plan import RankFigures, describe_node, host_first_resident, plan_node
+from deepspeed_offload.runtime.memory import iteration_memory, placement
 from deepspeed_offload.runtime.memory.placement import MeasuredPlan, margin_bytes
 
 GiB = 2**30
@@ -142,10 +143,13 @@ class _Timing:
 
 class _Memory:
     def __init__(self):
-        self.reserved, self.emptied = 0, 0
+        self.reserved, self.emptied, self.peak = 0, 0, 0
 
     def memory_reserved(self):
         return self.reserved
+
+    def window_peak(self):
+        return self.peak
 
     def empty_cache(self):
         self.emptied += 1
@@ -212,3 +216,38 @@ def test_with_nothing_to_give_back_the_early_loads_give_way():
     assert mode.plan.held_back == 3 * GiB and mode.memory.emptied == 2
     mode.plan.memory_returned(mode)
     assert mode.plan.held_back == mode.timing.held_back == 0
+
+
+def test_a_give_back_for_the_allocators_free_pieces_says_once_how_to_change_it(monkeypatch):
+    """State went back because the iteration reserved more than planned, 4.8 GiB of it free pieces (the
+    peak allocation 15 GiB): the plan names expandable_segments once, and not where the environment
+    sets it already or where the reserved memory was allocated."""
+    logged = []
+    monkeypatch.setattr(placement, "log_dist", lambda msg, **kw: logged.append(msg))
+    for conf in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(conf, raising=False)
+
+    def run(peak):
+        mode = _Mode()
+        mode.plan = MeasuredPlan(limit=20 * GiB, margin=GiB)
+        mode.step(10 * GiB, measured=True)
+        mode.step(15 * GiB)  # four sub-groups made resident
+        mode.memory.peak = peak
+        logged.clear()
+        assert mode.step(int(19.8 * GiB)) == 2
+        assert mode.step(int(19.9 * GiB)) == 0 and mode.plan.give_backs == 2  # (the same again: said once)
+        return [m for m in logged if "expandable_segments:True" in m]
+
+    hint = run(15 * GiB)
+    assert len(hint) == 1 and "19.80 GiB with at most 15.00 GiB allocated" in hint[0], logged
+    assert run(int(19.6 * GiB)) == []  # the reserved memory was allocated: the allocator is not why
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
+    assert run(15 * GiB) == []
+
+
+def test_expandable_segments_is_read_from_each_name_torch_reads():
+    assert not iteration_memory.expandable_segments_set({})
+    assert not iteration_memory.expandable_segments_set({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    both = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"}
+    assert iteration_memory.expandable_segments_set(both)
+    assert iteration_memory.expandable_segments_set({"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:true"})

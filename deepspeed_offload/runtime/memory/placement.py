@@ -20,14 +20,16 @@ resident (last first) before the forward runs. When the large inputs leave the r
 the decision after it takes state back. As a last resort, when an iteration reserves more than the
 limit less half the margin (the allocator reserving more around the resident state than its bytes),
 the plan gives back enough to restore the margin after the step, widens its margin by what it missed
-and measures again. Where the plan has made nothing resident that it could give back, the early
-loads give way instead: ``held_back`` bytes come off what they may hold (``LoadTiming.held_back``;
-all of it: the iteration of overlap off, which the measurement showed fits), until the inputs shrink
-or memory comes back. ``resplit.py`` moves the state; this module only decides. What remains: a first
-iteration larger than the device allows (nothing has been measured yet), and an input whose need
-grows faster than the fit's power of two.
+and measures again (where free pieces of the caching allocator's segments made the difference and
+``expandable_segments`` is not set, it says once how to change that). Where the plan has made nothing
+resident that it could give back, the early loads give way instead: ``held_back`` bytes come off what
+they may hold (``LoadTiming.held_back``; all of it: the iteration of overlap off, which the measurement
+showed fits), until the inputs shrink or memory comes back. ``resplit.py`` moves the state; this
+module only decides. What remains: a first iteration larger than the device allows (nothing has been
+measured yet), and an input whose need grows faster than the fit's power of two.
 """
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -35,7 +37,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from deepspeed.utils import log_dist
 
 from ...host_memory import format_bytes
-from .iteration_memory import IterationMemory
+from .iteration_memory import IterationMemory, expandable_segments_set
 from .layout import fitting_prefix
 
 GiB = 2**30
@@ -69,6 +71,7 @@ class MeasuredPlan:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))  # the last steps' inputs
     held_back: int = 0  # bytes the early loads may not hold, where nothing was left to give back
     last_reserved: int = 0  # what the last applied step left reserved (before any emptying)
+    allocator_hinted: bool = False  # the hint on the allocator's free pieces was logged
     _measurements_seen: int = 0
     _deciding: bool = False  # a measurement finished: decide after the next iteration
 
@@ -119,6 +122,8 @@ class MeasuredPlan:
             self.planned_numel = max(planning, numel)
         else:
             give_back = self.after_step(reserved, probe.nbytes)
+            if give_back:
+                self._allocator_hint(reserved, mode.memory.window_peak())
             if planning and planning < self.planned_numel and not mode.timing.measuring:
                 # the large inputs left the window: measure again, and keep what the smaller ones leave room for
                 log_dist(f"[deepspeed-offload] measured plan: the largest input of the last {len(self.recent)} steps "
@@ -178,6 +183,20 @@ class MeasuredPlan:
                  f"({format_bytes(sum(mode.probe.nbytes(i) for i in out))}) go back to the host before its "
                  f"forward, {resident - len(out)} stay resident", ranks=[0])
         return resident - len(out)
+
+    def _allocator_hint(self, reserved: int, peak_allocated: int):
+        """State went back because the iteration reserved more than planned: where the caching allocator
+        held part of that in free pieces and does not map memory as needed, say once how to change it
+        (the pieces are room the plan could keep for state)."""
+        if self.allocator_hinted or expandable_segments_set() or reserved - peak_allocated < self.margin // 2:
+            return
+        self.allocator_hinted = True
+        log_dist(f"[deepspeed-offload] measured plan: the iteration reserved {format_bytes(reserved)} with at most "
+                 f"{format_bytes(peak_allocated)} allocated, the rest free pieces of the caching allocator's "
+                 "segments, and state went back to the host for it; PYTORCH_CUDA_ALLOC_CONF="
+                 "expandable_segments:True (set before the process first uses the GPU) maps memory as it is "
+                 "needed instead, so the plan keeps that room for state (docs/troubleshooting.md)",
+                 ranks=[0], level=logging.WARNING)
 
     def _log(self, mode, resident: int):
         limit = "max_device_memory_gb" if mode.cfg.max_device_memory_gb is not None else \
