@@ -220,8 +220,9 @@ def test_with_nothing_to_give_back_the_early_loads_give_way():
 
 def test_a_give_back_for_the_allocators_free_pieces_says_once_how_to_change_it(monkeypatch):
     """State went back because the iteration reserved more than planned, 4.8 GiB of it free pieces (the
-    peak allocation 15 GiB): the plan names expandable_segments once, and not where the environment
-    sets it already or where the reserved memory was allocated."""
+    peak allocation 15 GiB): the plan names expandable_segments once, and so where nothing was resident
+    and the early loads gave way; not where the environment sets it already or where the reserved memory
+    was allocated."""
     logged = []
     monkeypatch.setattr(placement, "log_dist", lambda msg, **kw: logged.append(msg))
     for conf in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
@@ -241,6 +242,13 @@ def test_a_give_back_for_the_allocators_free_pieces_says_once_how_to_change_it(m
     hint = run(15 * GiB)
     assert len(hint) == 1 and "19.80 GiB with at most 15.00 GiB allocated" in hint[0], logged
     assert run(int(19.6 * GiB)) == []  # the reserved memory was allocated: the allocator is not why
+    # nothing made resident (every sub-group offloaded): the early loads give way instead, said the same way
+    mode = _Mode()
+    mode.plan = MeasuredPlan(limit=20 * GiB, margin=GiB)
+    mode.step(10 * GiB, measured=True)
+    mode.memory.peak, logged[:] = 15 * GiB, []
+    assert mode.step(21 * GiB) is None and mode.plan.held_back > 0
+    assert sum("expandable_segments:True" in m for m in logged) == 1
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
     assert run(15 * GiB) == []
 

@@ -20,13 +20,14 @@ resident (last first) before the forward runs. When the large inputs leave the r
 the decision after it takes state back. As a last resort, when an iteration reserves more than the
 limit less half the margin (the allocator reserving more around the resident state than its bytes),
 the plan gives back enough to restore the margin after the step, widens its margin by what it missed
-and measures again (where free pieces of the caching allocator's segments made the difference and
-``expandable_segments`` is not set, it says once how to change that). Where the plan has made nothing
-resident that it could give back, the early loads give way instead: ``held_back`` bytes come off what
-they may hold (``LoadTiming.held_back``; all of it: the iteration of overlap off, which the measurement
-showed fits), until the inputs shrink or memory comes back. ``resplit.py`` moves the state; this
-module only decides. What remains: a first iteration larger than the device allows (nothing has been
-measured yet), and an input whose need grows faster than the fit's power of two.
+and measures again. Where the plan has made nothing resident that it could give back, the early loads
+give way instead: ``held_back`` bytes come off what they may hold (``LoadTiming.held_back``; all of it:
+the iteration of overlap off, which the measurement showed fits), until the inputs shrink or memory
+comes back. When it makes room after an iteration (either way) and free pieces of the caching
+allocator's segments made the difference, without ``expandable_segments``, it says once how to change
+that. ``resplit.py`` moves the state; this module only decides. What remains: a first iteration
+larger than the device allows (nothing has been measured yet), and an input whose need grows faster
+than the fit's power of two.
 """
 
 import logging
@@ -122,8 +123,6 @@ class MeasuredPlan:
             self.planned_numel = max(planning, numel)
         else:
             give_back = self.after_step(reserved, probe.nbytes)
-            if give_back:
-                self._allocator_hint(reserved, mode.memory.window_peak())
             if planning and planning < self.planned_numel and not mode.timing.measuring:
                 # the large inputs left the window: measure again, and keep what the smaller ones leave room for
                 log_dist(f"[deepspeed-offload] measured plan: the largest input of the last {len(self.recent)} steps "
@@ -134,6 +133,8 @@ class MeasuredPlan:
                 self.held_back = 0  # (the early loads too: what the larger inputs took from them)
                 mode.memory.empty_cache()  # the larger iterations' cached blocks would count in the measurement
                 mode.timing.remeasure()
+        if give_back or self.held_back > held_back:
+            self._allocator_hint(reserved, mode.memory.window_peak())
         if self.held_back > held_back:  # (no more than the early loads can hold: past that, overlap off's iteration)
             self.held_back = min(self.held_back, max(held_back, mode.timing.largest_allowance()))
             if self.held_back > held_back and not give_back:
@@ -185,17 +186,17 @@ class MeasuredPlan:
         return resident - len(out)
 
     def _allocator_hint(self, reserved: int, peak_allocated: int):
-        """State went back because the iteration reserved more than planned: where the caching allocator
-        held part of that in free pieces and does not map memory as needed, say once how to change it
-        (the pieces are room the plan could keep for state)."""
+        """The plan made room (state back to the host, or less for the early loads) because the iteration
+        reserved more than planned: where the caching allocator held part of that in free pieces and does
+        not map memory as needed, say once how to change it (the pieces are room the plan could keep)."""
         if self.allocator_hinted or expandable_segments_set() or reserved - peak_allocated < self.margin // 2:
             return
         self.allocator_hinted = True
         log_dist(f"[deepspeed-offload] measured plan: the iteration reserved {format_bytes(reserved)} with at most "
                  f"{format_bytes(peak_allocated)} allocated, the rest free pieces of the caching allocator's "
-                 "segments, and state went back to the host for it; PYTORCH_CUDA_ALLOC_CONF="
-                 "expandable_segments:True (set before the process first uses the GPU) maps memory as it is "
-                 "needed instead, so the plan keeps that room for state (docs/troubleshooting.md)",
+                 "segments, and the plan made room for it (state back to the host, or fewer early loads); "
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the process first uses the GPU) "
+                 "maps memory as it is needed instead, so the plan keeps that room (docs/troubleshooting.md)",
                  ranks=[0], level=logging.WARNING)
 
     def _log(self, mode, resident: int):
