@@ -42,7 +42,7 @@ def install(mode):
     for name in READERS:
         patch(opt, name, lambda orig: _around(mode, orig))
     for name in WRITERS:
-        patch(opt, name, lambda orig: _around(mode, orig, writes=True))
+        patch(opt, name, lambda orig, name=name: _around(mode, orig, writes=True, masters=name in MASTER_WRITERS))
     patch(opt, "load_state_dict",
           lambda orig: _around(mode, orig, writes=True, after=lambda: mode.tensors.after_load(mode.acc)))
     patch(opt, "step", lambda orig: _step(mode, orig))
@@ -179,8 +179,8 @@ def _post_step(mode, orig):
     return post_step
 
 
-def _around(mode, fn, writes=False, after=None):
-    """``fn`` reads (or ``writes``) host state on the CPU: every write-back lands first."""
+def _around(mode, fn, writes=False, masters=False, after=None):
+    """``fn`` reads (or ``writes``; the fp32 ``masters`` alone) host state on the CPU: every write-back lands first."""
 
     def wrapper(*args, **kwargs):
         if not mode.in_step:
@@ -192,7 +192,7 @@ def _around(mode, fn, writes=False, after=None):
             if writes:
                 mode.colocation.refuse_if_offloaded(fn.__name__ + "()")
                 mode.discard_speculation("state written")  # computed from the state this replaces
-                if fn.__name__ in MASTER_WRITERS and mode.speculation is not None:
+                if masters and mode.speculation is not None:
                     mode.speculation.master_written()
                 mode.guard()
                 mode.table.unload_all()  # loaded early: the old values
