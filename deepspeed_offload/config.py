@@ -66,6 +66,9 @@ class OffloadConfig(BaseModel):
     # the node has spare after the stores; 0: off. Off where it cannot run (compile mode, overlap
     # off, fp32 parameters) unless a size is asked for, which is then an error there.
     speculate_memory_gb: Optional[float] = Field(None, ge=0, le=MAX_GB, allow_inf_nan=False)
+    # Stream mode's measured plan on CUDA: the caching allocator's expandable_segments on from attach to
+    # detach, unless PYTORCH_*ALLOC_CONF names it (runtime/memory/allocator.py); false: the allocator as it is.
+    expandable_segments: bool = True
 
     @property
     def sub_group_size(self) -> int:

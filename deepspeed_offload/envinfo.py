@@ -35,7 +35,7 @@ from importlib import import_module, metadata
 from .env_settings import read_env
 from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, memlock_limit, numa_nodes,
                           pci_numa_node)
-from .runtime.memory.iteration_memory import ALLOC_CONF_ENV
+from .runtime.memory.allocator import ALLOC_CONF_ENV
 
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).

@@ -6,7 +6,7 @@ import pytest
 from deepspeed_offload.errors import ConfigError
 from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
 from deepspeed_offload.runtime.memory.node_plan import RankFigures, describe_node, host_first_resident, plan_node
-from deepspeed_offload.runtime.memory import iteration_memory, placement
+from deepspeed_offload.runtime.memory import allocator, placement
 from deepspeed_offload.runtime.memory.placement import MeasuredPlan, margin_bytes
 
 GiB = 2**30
@@ -249,13 +249,8 @@ def test_a_give_back_for_the_allocators_free_pieces_says_once_how_to_change_it(m
     mode.memory.peak, logged[:] = 15 * GiB, []
     assert mode.step(21 * GiB) is None and mode.plan.held_back > 0
     assert sum("expandable_segments:True" in m for m in logged) == 1
+    monkeypatch.setattr(allocator.SWITCH, "holders", 1)  # turned on at attach (allocator.hold_for)
+    assert run(15 * GiB) == []
+    monkeypatch.setattr(allocator.SWITCH, "holders", 0)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
     assert run(15 * GiB) == []
-
-
-def test_expandable_segments_is_read_from_each_name_torch_reads():
-    assert not iteration_memory.expandable_segments_set({})
-    assert not iteration_memory.expandable_segments_set({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
-    both = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"}
-    assert iteration_memory.expandable_segments_set(both)
-    assert iteration_memory.expandable_segments_set({"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:true"})

@@ -26,34 +26,15 @@ reserved and free in pieces, after batch 11 had measured little.)
 
 ``DeviceMemory`` reads the device's counters for everyone that needs a peak: the load policy resets
 the peak statistics at every gradient hook of the iteration it measures, and the iteration's own peak
-must survive those resets; ``expandable_segments_set`` says whether the allocator maps memory into
-growing segments (then those pieces do not arise).
+must survive those resets.
 """
 
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional
+from typing import Dict, Optional
 
 # The exponent of growth with the input that the fit allows.
 MIN_POWER, MAX_POWER = 1.0, 2.0
-
-
-# The caching allocator's settings, under each name torch reads (which one wins depends on the torch
-# version): expandable_segments changes how much memory it reserves around the same allocations.
-ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-
-
-def expandable_segments_set(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the environment turns the caching allocator's ``expandable_segments`` on (under any of
-    the names in ``ALLOC_CONF_ENV``): it then maps memory into its segments as they grow, instead of
-    reserving a new segment where no free piece is large enough."""
-    for name in ALLOC_CONF_ENV:
-        for option in environ.get(name, "").split(","):
-            key, _, value = option.partition(":")
-            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
-                return True
-    return False
 
 
 class DeviceMemory:

@@ -38,7 +38,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from deepspeed.utils import log_dist
 
 from ...host_memory import format_bytes
-from .iteration_memory import IterationMemory, expandable_segments_set
+from . import allocator
+from .iteration_memory import IterationMemory
 from .layout import fitting_prefix
 
 GiB = 2**30
@@ -189,14 +190,15 @@ class MeasuredPlan:
         """The plan made room (state back to the host, or less for the early loads) because the iteration
         reserved more than planned: where the caching allocator held part of that in free pieces and does
         not map memory as needed, say once how to change it (the pieces are room the plan could keep)."""
-        if self.allocator_hinted or expandable_segments_set() or reserved - peak_allocated < self.margin // 2:
+        if self.allocator_hinted or allocator.SWITCH.on() or reserved - peak_allocated < self.margin // 2:
             return
         self.allocator_hinted = True
         log_dist(f"[deepspeed-offload] measured plan: the iteration reserved {format_bytes(reserved)} with at most "
                  f"{format_bytes(peak_allocated)} allocated, the rest free pieces of the caching allocator's "
                  "segments, and the plan made room for it (state back to the host, or fewer early loads); "
-                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the process first uses the GPU) "
-                 "maps memory as it is needed instead, so the plan keeps that room (docs/troubleshooting.md)",
+                 "expandable_segments:True maps memory as it is needed instead, so the plan keeps that room: leave "
+                 "the block's expandable_segments at true and PYTORCH_CUDA_ALLOC_CONF without the setting, or "
+                 "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/troubleshooting.md)",
                  ranks=[0], level=logging.WARNING)
 
     def _log(self, mode, resident: int):

@@ -15,6 +15,7 @@ from ...host_memory import format_bytes
 from ..attach import Placement, fault_point
 from ..checkpoint import ALIGN, AsyncCheckpointer
 from ..colocation.offload_states import StateOffload
+from ..memory import allocator
 from ..memory.arrival import Arrival
 from ..memory.host_store import HostStore
 from ..memory.iteration_memory import DeviceMemory
@@ -44,6 +45,7 @@ def build(mode, placement: Placement, early_in_backward: bool):
     mode.plan = None
     if placement.host_first and not mode.copies.synchronous and early_in_backward:
         measure_with(mode, mode.memory)
+        allocator.hold_for(mode)  # the plan reads reserved memory: no free pieces of segments in it
     mode.tensors = StateTensors(mode.opt, mode.store, mode.order)
     mode.speculation = Speculation(mode, speculating) if speculating else None
     mode.early = EarlyLoads(mode)

@@ -1,0 +1,78 @@
+"""The caching allocator's expandable segments (runtime/memory/allocator.py): read from the environment
+under each name torch reads, turned on by the first mode that holds them and off by the last, and only
+where the block, the device and the environment leave it to the package."""
+
+import types
+
+import pytest
+
+from deepspeed_offload.config import OffloadConfig
+from deepspeed_offload.runtime.memory import allocator
+from deepspeed_offload.runtime.memory.allocator import ExpandableSegments, expandable_segments_env, hold_for, wanted
+
+
+def test_expandable_segments_is_read_from_each_name_torch_reads():
+    assert expandable_segments_env({}) is None
+    assert expandable_segments_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) is None
+    assert expandable_segments_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is False
+    assert expandable_segments_env({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"}) is True
+    assert expandable_segments_env({"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:true"}) is True
+    # one name turns it on, another off: on (torch reads one of them, depending on its version)
+    assert expandable_segments_env({"PYTORCH_ALLOC_CONF": "expandable_segments:False",
+                                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is True
+
+
+def test_the_first_holder_turns_it_on_and_the_last_release_off():
+    calls = []
+    switch = ExpandableSegments(setter=calls.append)
+    assert not switch.on({})
+    switch.hold()
+    switch.hold()  # a second engine in the process (an actor and a critic)
+    assert calls == ["expandable_segments:True"] and switch.on({})
+    switch.release()
+    assert calls == ["expandable_segments:True"] and switch.on({})  # the other engine still runs
+    switch.release()
+    assert calls == ["expandable_segments:True", "expandable_segments:False"] and not switch.on({})
+    assert switch.on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+
+@pytest.mark.parametrize("block, device, environ, expected", [
+    (True, "cuda", {}, True),
+    (True, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, True),
+    (False, "cuda", {}, False),  # the block says no
+    (True, "cpu", {}, False),  # device memory is host memory
+    (True, "npu", {}, False),  # another accelerator's allocator: not ours to set
+    (True, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),  # the operator chose
+    (True, "cuda", {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, False),  # on already: nothing to do
+])
+def test_the_package_turns_it_on_only_where_nobody_else_decided(block, device, environ, expected):
+    assert wanted(block, device, environ) is expected
+
+
+def test_a_mode_holds_it_from_attach_to_detach(monkeypatch):
+    """``hold_for`` at attach: on, one log line, and off again when the mode's detach (or undone attach)
+    runs its callbacks; with the block's false nothing changes."""
+    for name in allocator.ALLOC_CONF_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(allocator, "_rocm", lambda: False)
+    calls, logged = [], []
+    monkeypatch.setattr("deepspeed.utils.log_dist", lambda msg, **kw: logged.append(msg))
+    switch = ExpandableSegments(setter=calls.append)
+
+    def mode(block):
+        detach = []
+        return types.SimpleNamespace(cfg=OffloadConfig(enabled=True, expandable_segments=block),
+                                     acc=types.SimpleNamespace(device_name=lambda: "cuda"),
+                                     on_detach=detach.append, detach=detach)
+
+    assert OffloadConfig(enabled=True).expandable_segments is True  # the default
+    off = mode(False)
+    hold_for(off, switch)
+    assert calls == [] and off.detach == [] and logged == []
+    on = mode(True)
+    hold_for(on, switch)
+    assert calls == ["expandable_segments:True"] and switch.holders == 1 and len(logged) == 1
+    assert "expandable segments" in logged[0]
+    for fn in on.detach:
+        fn()
+    assert calls == ["expandable_segments:True", "expandable_segments:False"] and switch.holders == 0
