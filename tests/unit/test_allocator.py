@@ -8,7 +8,8 @@ import pytest
 
 from deepspeed_offload.config import OffloadConfig
 from deepspeed_offload.runtime.memory import allocator
-from deepspeed_offload.runtime.memory.allocator import ExpandableSegments, expandable_segments_env, hold_for, wanted
+from deepspeed_offload.runtime.memory.allocator import (ExpandableSegments, expandable_segments_env, hold_for, wanted,
+                                                         with_expandable_segments)
 
 
 def test_expandable_segments_is_read_from_each_name_torch_reads():
@@ -22,12 +23,34 @@ def test_expandable_segments_is_read_from_each_name_torch_reads():
                                     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is True
 
 
+def test_the_other_settings_go_along():
+    """torch parses a new setting whole, putting the options it does not name back to their defaults."""
+    conf = "max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2],garbage_collection_threshold:0.8"
+    assert with_expandable_segments(conf, True) == conf + ",expandable_segments:True"
+    assert with_expandable_segments(conf + ",expandable_segments:True", False) == conf + ",expandable_segments:False"
+    assert with_expandable_segments("", True) == "expandable_segments:True"
+    torch = pytest.importorskip("torch")
+    if hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # torch parses what we pass it (CPU builds too)
+        before = torch._C._accelerator_getAllocatorSettings()
+        try:
+            torch._C._accelerator_setAllocatorSettings(with_expandable_segments(conf, False))
+            assert torch._C._accelerator_getAllocatorSettings() == conf + ",expandable_segments:False"
+        finally:
+            torch._C._accelerator_setAllocatorSettings(with_expandable_segments(before, False))
+
+
 def test_the_first_holder_turns_it_on_and_the_last_release_off():
     calls = []
     switch = ExpandableSegments(setter=calls.append)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"}
+    switch.hold(env)
+    switch.release()
+    assert calls == ["garbage_collection_threshold:0.8,expandable_segments:True",
+                     "garbage_collection_threshold:0.8,expandable_segments:False"]
+    calls.clear()
     assert not switch.on({})
-    switch.hold()
-    switch.hold()  # a second engine in the process (an actor and a critic)
+    switch.hold({})
+    switch.hold({})  # a second engine in the process (an actor and a critic)
     assert calls == ["expandable_segments:True"] and switch.on({})
     switch.release()
     assert calls == ["expandable_segments:True"] and switch.on({})  # the other engine still runs
@@ -44,6 +67,8 @@ def test_the_first_holder_turns_it_on_and_the_last_release_off():
     (True, "npu", {}, False),  # another accelerator's allocator: not ours to set
     (True, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),  # the operator chose
     (True, "cuda", {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, False),  # on already: nothing to do
+    (True, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, False),  # not the caching allocator
+    (True, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "backend:native,max_split_size_mb:256"}, True),
 ])
 def test_the_package_turns_it_on_only_where_nobody_else_decided(block, device, environ, expected):
     assert wanted(block, device, environ) is expected

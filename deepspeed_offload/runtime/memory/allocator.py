@@ -7,7 +7,8 @@ to 40 sub-groups resident instead of 45 to 47, and ran 10% slower (docs/benchmar
 expandable segments the allocator maps memory into its segments as they grow and there are no such
 pieces. The setting can change while the process runs (what is already reserved stays as it is); so
 stream mode turns it on at attach where the measured plan runs on a CUDA device, and off again when
-the last mode that turned it on detaches.
+the last mode that turned it on detaches, each time passing the environment's other settings along
+(torch puts those a new setting does not name back to their defaults).
 
 The process's environment decides where it names the setting (``PYTORCH_ALLOC_CONF``,
 ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_HIP_ALLOC_CONF``: ``expandable_segments:True`` or
@@ -16,7 +17,7 @@ alone (a process that also runs vLLM's memory pools, which refuse expandable seg
 """
 
 import os
-from typing import Callable, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Tuple
 
 # The caching allocator's settings, under each name torch reads (which one wins depends on the torch version).
 ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -27,11 +28,36 @@ def expandable_segments_env(environ: Mapping[str, str] = os.environ) -> Optional
     (True where any of them turns it on); None where none names it."""
     found = None
     for name in ALLOC_CONF_ENV:
-        for option in environ.get(name, "").split(","):
-            key, _, value = option.partition(":")
-            if key.strip() == "expandable_segments":
+        for key, value in _options(environ.get(name, "")):
+            if key == "expandable_segments":
                 found = found or value.strip().lower() == "true"
     return found
+
+
+def _options(settings: str) -> List[Tuple[str, str]]:
+    """``key:value`` options of an allocator setting, in order (a bracketed list's commas kept in its value)."""
+    out, depth = [], 0
+    for piece in settings.split(","):
+        if depth and out:
+            out[-1] = (out[-1][0], out[-1][1] + "," + piece)
+        elif piece.strip():
+            key, _, value = piece.partition(":")
+            out.append((key.strip(), value))
+        depth += piece.count("[") - piece.count("]")
+    return out
+
+
+def _env_settings(environ: Mapping[str, str] = os.environ) -> str:
+    """The settings torch read from the environment: the first of ``ALLOC_CONF_ENV`` that is set."""
+    return next((environ[name] for name in ALLOC_CONF_ENV if environ.get(name)), "")
+
+
+def with_expandable_segments(settings: str, on: bool) -> str:
+    """``settings`` with ``expandable_segments`` set to ``on``. Torch parses each new setting whole and
+    puts ``max_split_size_mb``, ``roundup_power2_divisions`` and ``garbage_collection_threshold`` back to
+    their defaults where it does not name them: the process's other settings go along."""
+    kept = [f"{key}:{value}" for key, value in _options(settings) if key != "expandable_segments"]
+    return ",".join(kept + [f"expandable_segments:{on}"])
 
 
 def _torch_setter(settings: str):
@@ -43,21 +69,23 @@ def _torch_setter(settings: str):
 
 
 class ExpandableSegments:
-    """The process's one switch: the first ``hold`` turns the setting on, the last ``release`` off."""
+    """The process's one switch: the first ``hold`` turns the setting on, the last ``release`` off, each
+    time with the environment's other settings."""
 
     def __init__(self, setter: Callable[[str], None] = _torch_setter):
         self.setter = setter
         self.holders = 0
 
-    def hold(self):
+    def hold(self, environ: Mapping[str, str] = os.environ):
         if self.holders == 0:
-            self.setter("expandable_segments:True")
+            self.base = _env_settings(environ)
+            self.setter(with_expandable_segments(self.base, True))
         self.holders += 1
 
     def release(self):
         self.holders -= 1
         if self.holders == 0:
-            self.setter("expandable_segments:False")
+            self.setter(with_expandable_segments(self.base, False))
 
     def on(self, environ: Mapping[str, str] = os.environ) -> bool:
         """Whether the allocator maps memory into expandable segments (the environment's, or held here)."""
@@ -69,8 +97,10 @@ SWITCH = ExpandableSegments()
 
 def wanted(block_value: bool, device_name: str, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether a mode whose measured plan runs on ``device_name`` turns the setting on: the block allows
-    it, the device is CUDA's (not ROCm's), and the environment does not name it."""
-    return block_value and device_name == "cuda" and not _rocm() and expandable_segments_env(environ) is None
+    it, the device is CUDA's (not ROCm's), the environment does not name it, and the caching allocator is
+    the one in use (not ``backend:cudaMallocAsync``)."""
+    return block_value and device_name == "cuda" and not _rocm() and expandable_segments_env(environ) is None \
+        and dict(_options(_env_settings(environ))).get("backend", "native").strip() == "native"
 
 
 def _rocm() -> bool:  # (its allocator's expandable segments are not measured here)
