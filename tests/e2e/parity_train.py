@@ -31,6 +31,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 import deepspeed_offload
 from deepspeed_offload.compat import TENSOR_BACKWARD, at_least
 from deepspeed_offload.runtime.colocation.partitions import GRAD_VIEWS
+from deepspeed_offload.runtime.memory import allocator
 from deepspeed_offload.runtime.memory.host_store import MASTER
 from deepspeed_offload.runtime.memory.resplit import resplit
 from harness import NO_FP16, inject_checkpoint_faults, same_bits, same_tensors
@@ -663,13 +664,17 @@ def train_with(spec):
         handle = deepspeed_offload.get_handle(engine)
         handle.timing.early_cap = handle.layout.nbytes[handle.order[0]]
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
-    scripted = None
+    scripted = switched = None
     if spec.get("scripted_memory") and deepspeed_offload.get_handle(engine) is not None:
         # the measured plan on the CPU, over a device whose figures are scripted
         from collections import deque
         s, handle = spec["scripted_memory"], deepspeed_offload.get_handle(engine)
         from deepspeed_offload.runtime.memory.iteration_memory import DeviceMemory
         scripted = ScriptedMemory(handle, s["limit"], s["fixed"], s["per_element"])
+        # the allocator switch as on a CUDA device, recording what it would pass torch
+        switched = []
+        allocator.wanted = lambda *args, **kwargs: True
+        allocator.SWITCH.setter, allocator.SWITCH.current = switched.append, lambda: "max_split_size_mb:512"
         handle.measure_with(DeviceMemory(scripted))
         handle.plan.margin = s["margin"]
         handle.plan.recent = deque(maxlen=s["recent"])
@@ -913,6 +918,10 @@ def train_with(spec):
                             "first_violations": getattr(handle.copies, "first_violations", None),
                             "nbytes": [handle.layout.nbytes[i] for i in handle.order] if hasattr(handle, "layout")
                             else None}
+    if switched is not None and handle is not None:  # what the plan's switch passed torch, held until detach
+        held = allocator.SWITCH.holders
+        handle.detach()
+        result["allocator_switch"] = {"calls": list(switched), "held": held, "after_detach": allocator.SWITCH.holders}
     return result
 
 

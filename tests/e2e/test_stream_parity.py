@@ -349,6 +349,10 @@ def test_the_measured_plan_follows_the_batch_and_every_step_closes(tmp_path):
     assert plan[5]["members"] == list(range(n)) and set(plan[5]["twins"]) == set(range(n)), plan[5]
     assert stats[5]["speculated"] == n and stats[5]["committed"] == n, stats[5]
     assert plan[5]["released"] == [] and plan[10]["released"] == list(range(n)), plan
+    # the plan turned the allocator's expandable segments on at attach, the job's other settings along, and
+    # detach turned them off (the switch as on a CUDA device: parity_train records what it passes torch)
+    assert ours["allocator_switch"] == {"held": 1, "after_detach": 0, "calls": [
+        "max_split_size_mb:512,expandable_segments:True", "max_split_size_mb:512,expandable_segments:False"]}
 
 
 @needs_two_ranks

@@ -24,39 +24,52 @@ def test_expandable_segments_is_read_from_each_name_torch_reads():
 
 
 def test_the_other_settings_go_along():
-    """torch parses a new setting whole, putting the options it does not name back to their defaults."""
+    """torch parses a new setting whole, putting the options it does not name back to their defaults: the
+    string passed is the allocator's settings with the switch set (a bracketed list's commas kept)."""
     conf = "max_split_size_mb:512,roundup_power2_divisions:[256:1,512:2],garbage_collection_threshold:0.8"
     assert with_expandable_segments(conf, True) == conf + ",expandable_segments:True"
     assert with_expandable_segments(conf + ",expandable_segments:True", False) == conf + ",expandable_segments:False"
     assert with_expandable_segments("", True) == "expandable_segments:True"
-    torch = pytest.importorskip("torch")
-    if hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # torch parses what we pass it (CPU builds too)
-        before = torch._C._accelerator_getAllocatorSettings()
-        try:
-            torch._C._accelerator_setAllocatorSettings(with_expandable_segments(conf, False))
-            assert torch._C._accelerator_getAllocatorSettings() == conf + ",expandable_segments:False"
-        finally:
-            torch._C._accelerator_setAllocatorSettings(with_expandable_segments(before, False))
 
 
 def test_the_first_holder_turns_it_on_and_the_last_release_off():
     calls = []
-    switch = ExpandableSegments(setter=calls.append)
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"}
-    switch.hold(env)
+    switch = ExpandableSegments(setter=calls.append, current=lambda: "garbage_collection_threshold:0.8")
+    assert switch.hold()
     switch.release()
     assert calls == ["garbage_collection_threshold:0.8,expandable_segments:True",
                      "garbage_collection_threshold:0.8,expandable_segments:False"]
     calls.clear()
+    switch.current = lambda: ""
     assert not switch.on({})
-    switch.hold({})
-    switch.hold({})  # a second engine in the process (an actor and a critic)
+    switch.hold()
+    switch.hold()  # a second engine in the process (an actor and a critic)
     assert calls == ["expandable_segments:True"] and switch.on({})
     switch.release()
     assert calls == ["expandable_segments:True"] and switch.on({})  # the other engine still runs
     switch.release()
     assert calls == ["expandable_segments:True", "expandable_segments:False"] and not switch.on({})
+    switch.release()  # (nothing held: nothing to turn off)
+    assert len(calls) == 2 and switch.holders == 0
     assert switch.on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+
+def test_a_setting_torch_refuses_leaves_attach_and_detach_to_go_on(monkeypatch):
+    """Turning it on or off is an optimization: where torch raises, a warning, and nothing is held."""
+    warned = []
+    monkeypatch.setattr(allocator, "_warn", warned.append)
+
+    def refuse(settings):
+        raise RuntimeError("Unrecognized key")
+
+    switch = ExpandableSegments(setter=refuse, current=lambda: "")
+    assert not switch.hold() and switch.holders == 0 and "stays as it was" in warned[0]
+    calls = []
+    switch = ExpandableSegments(setter=calls.append, current=lambda: "")
+    assert switch.hold()
+    switch.setter = refuse
+    switch.release()  # detach goes on
+    assert switch.holders == 0 and "off again" in warned[1]
 
 
 @pytest.mark.parametrize("block, device, environ, expected", [
@@ -82,7 +95,7 @@ def test_a_mode_holds_it_from_attach_to_detach(monkeypatch):
     monkeypatch.setattr(allocator, "_rocm", lambda: False)
     calls, logged = [], []
     monkeypatch.setattr("deepspeed.utils.log_dist", lambda msg, **kw: logged.append(msg))
-    switch = ExpandableSegments(setter=calls.append)
+    switch = ExpandableSegments(setter=calls.append, current=lambda: "")
 
     def mode(block):
         detach = []
@@ -101,3 +114,17 @@ def test_a_mode_holds_it_from_attach_to_detach(monkeypatch):
     for fn in on.detach:
         fn()
     assert calls == ["expandable_segments:True", "expandable_segments:False"] and switch.holders == 0
+
+
+def test_the_settings_passed_along_are_those_torch_runs_with(monkeypatch):
+    """torch's own record where it keeps one; else the variable that torch version reads."""
+    torch = pytest.importorskip("torch")
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:256", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "garbage_collection_threshold:0.5",
+                        raising=False)
+    assert allocator._current_settings(env) == "garbage_collection_threshold:0.5"
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: None, raising=False)
+    assert allocator._current_settings(env) == "max_split_size_mb:256"  # torch >= 2.9 reads PYTORCH_ALLOC_CONF first
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    assert allocator._current_settings(env) == "max_split_size_mb:128"  # older torch: only the CUDA name

@@ -7,7 +7,7 @@ to 40 sub-groups resident instead of 45 to 47, and ran 10% slower (docs/benchmar
 expandable segments the allocator maps memory into its segments as they grow and there are no such
 pieces. The setting can change while the process runs (what is already reserved stays as it is); so
 stream mode turns it on at attach where the measured plan runs on a CUDA device, and off again when
-the last mode that turned it on detaches, each time passing the environment's other settings along
+the last mode that turned it on detaches, each time passing the allocator's other settings along
 (torch puts those a new setting does not name back to their defaults).
 
 The process's environment decides where it names the setting (``PYTORCH_ALLOC_CONF``,
@@ -47,9 +47,15 @@ def _options(settings: str) -> List[Tuple[str, str]]:
     return out
 
 
-def _env_settings(environ: Mapping[str, str] = os.environ) -> str:
-    """The settings torch read from the environment: the first of ``ALLOC_CONF_ENV`` that is set."""
-    return next((environ[name] for name in ALLOC_CONF_ENV if environ.get(name)), "")
+def _current_settings(environ: Mapping[str, str] = os.environ) -> str:
+    """The settings the allocator runs with: torch's own record where it keeps one (torch >= 2.9, which
+    reads ``PYTORCH_ALLOC_CONF`` first), else what torch read from the environment."""
+    import torch
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return getter()
+    names = ALLOC_CONF_ENV if hasattr(torch._C, "_accelerator_setAllocatorSettings") else ALLOC_CONF_ENV[1:]
+    return next((environ[name] for name in names if environ.get(name)), "")
 
 
 def with_expandable_segments(settings: str, on: bool) -> str:
@@ -61,6 +67,7 @@ def with_expandable_segments(settings: str, on: bool) -> str:
 
 
 def _torch_setter(settings: str):
+    """Parse ``settings`` as the allocator's settings now (what is already reserved stays as it is)."""
     import torch
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
     if setter is None:
@@ -70,22 +77,35 @@ def _torch_setter(settings: str):
 
 class ExpandableSegments:
     """The process's one switch: the first ``hold`` turns the setting on, the last ``release`` off, each
-    time with the environment's other settings."""
+    time with the allocator's other settings as they were. Turning it on or off is an optimization, never
+    a reason for attach or detach to fail: where torch refuses, a warning says so and the allocator stays
+    as it was."""
 
-    def __init__(self, setter: Callable[[str], None] = _torch_setter):
-        self.setter = setter
-        self.holders = 0
+    def __init__(self, setter: Callable[[str], None] = _torch_setter, current: Callable[[], str] = _current_settings):
+        self.setter, self.current = setter, current
+        self.holders, self.base = 0, ""
 
-    def hold(self, environ: Mapping[str, str] = os.environ):
+    def hold(self) -> bool:
+        """Turn it on (the first holder) or count one more; False where torch refused (nothing held)."""
         if self.holders == 0:
-            self.base = _env_settings(environ)
-            self.setter(with_expandable_segments(self.base, True))
+            try:
+                self.base = self.current()
+                self.setter(with_expandable_segments(self.base, True))
+            except Exception as e:  # (an allocator that does not know the setting, say)
+                _warn(f"could not turn the caching allocator's expandable_segments on ({e}); it stays as it was")
+                return False
         self.holders += 1
+        return True
 
     def release(self):
+        if self.holders == 0:
+            return
         self.holders -= 1
         if self.holders == 0:
-            self.setter(with_expandable_segments(self.base, False))
+            try:
+                self.setter(with_expandable_segments(self.base, False))
+            except Exception as e:
+                _warn(f"could not turn the caching allocator's expandable_segments off again ({e})")
 
     def on(self, environ: Mapping[str, str] = os.environ) -> bool:
         """Whether the allocator maps memory into expandable segments (the environment's, or held here)."""
@@ -100,7 +120,8 @@ def wanted(block_value: bool, device_name: str, environ: Mapping[str, str] = os.
     it, the device is CUDA's (not ROCm's), the environment does not name it, and the caching allocator is
     the one in use (not ``backend:cudaMallocAsync``)."""
     return block_value and device_name == "cuda" and not _rocm() and expandable_segments_env(environ) is None \
-        and dict(_options(_env_settings(environ))).get("backend", "native").strip() == "native"
+        and not any(dict(_options(environ.get(name, ""))).get("backend", "").strip() == "cudaMallocAsync"
+                    for name in ALLOC_CONF_ENV)
 
 
 def _rocm() -> bool:  # (its allocator's expandable segments are not measured here)
@@ -113,9 +134,17 @@ def hold_for(mode, switch: ExpandableSegments = SWITCH):
     if not wanted(mode.cfg.expandable_segments, mode.acc.device_name()):
         return
     from deepspeed.utils import log_dist
-    switch.hold()
+    if not switch.hold():
+        return
     mode.on_detach(switch.release)
     log_dist("[deepspeed-offload] measured plan: the caching allocator maps memory into expandable segments "
              "until detach, so that free pieces of its segments do not take the room of resident state "
              "(the block's expandable_segments: false, or PYTORCH_CUDA_ALLOC_CONF naming the setting, "
              "leaves the allocator as it is)", ranks=[0])
+
+
+def _warn(message: str):
+    import logging
+
+    from deepspeed.utils import log_dist
+    log_dist(f"[deepspeed-offload] {message}", ranks=[0], level=logging.WARNING)

@@ -45,7 +45,6 @@ def build(mode, placement: Placement, early_in_backward: bool):
     mode.plan = None
     if placement.host_first and not mode.copies.synchronous and early_in_backward:
         measure_with(mode, mode.memory)
-        allocator.hold_for(mode)  # the plan reads reserved memory: no free pieces of segments in it
     mode.tensors = StateTensors(mode.opt, mode.store, mode.order)
     mode.speculation = Speculation(mode, speculating) if speculating else None
     mode.early = EarlyLoads(mode)
@@ -70,6 +69,7 @@ def measure_with(mode, memory: DeviceMemory):
     mode.timing.synchronous = False
     limit = device_limit(memory, mode.cfg.max_device_memory_gb)
     mode.plan, mode.timing.measure_always = MeasuredPlan(limit=limit, margin=margin_bytes(limit)), True
+    allocator.hold_for(mode)  # the plan reads reserved memory: no free pieces of segments in it
 
 
 def log_attach(mode):
