@@ -25,6 +25,7 @@ from deepspeed.accelerator import get_accelerator
 import deepspeed_offload
 from deepspeed_offload.bench.models import LLAMA_PRESETS, enable_checkpointing
 from deepspeed_offload.bench.peaks import Peaks
+from deepspeed_offload.runtime.memory import allocator
 
 BLOCKS = {"plain": None, "default": {"enabled": True}, "budget0": {"enabled": True, "memory_budget_gb": 0},
           "budget0-nospec": {"enabled": True, "memory_budget_gb": 0, "speculate_memory_gb": 0}}
@@ -125,6 +126,7 @@ def main():
               "sub_groups": len(engine.optimizer.fp16_groups),
               "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
               "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
+              "expandable_segments": allocator.SWITCH.on(),  # the environment's, or the measured plan's switch
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
               "transformers": transformers.__version__}
     with open(args.out, "w") as f:

@@ -19,6 +19,7 @@ import torch
 
 from ..bandwidth import bandwidth_all_ranks
 from ..estimate import state_bytes_per_rank
+from ..runtime.memory import allocator
 from . import results
 from .loop import GiB, Loop
 from .models import build_model, llama_classes, make_loss
@@ -158,6 +159,7 @@ def run_mode(mode, args, acc, progress):
         out.update(loop.colocation_times())
     out.update(results.handle_stats(handle, engine, out["between_GiB"]))
     out.update(results.host_pinned(handle), attach_s=getattr(handle, "attach_s", None))
+    out["expandable_segments"] = allocator.SWITCH.on()  # the environment's, or the measured plan's switch
     out["per_rank"] = results.gather_ranks(results.rank_record(rank, out), world)
     out["host"] = results.host_memory(out["per_rank"], nparams, world)
     deepspeed_offload.finish(engine)  # every rank: no gloo abort at exit (``teardown.py``)
