@@ -35,7 +35,7 @@ from importlib import import_module, metadata
 from .env_settings import read_env
 from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, memlock_limit, numa_nodes,
                           pci_numa_node)
-from .runtime.memory.allocator import ALLOC_CONF_ENV, expandable_segments_env
+from .runtime.memory.allocator import ALLOC_CONF_ENV, wanted
 
 PIN_TEST_BYTES = 64 * 2**20
 # bandwidth.bandwidth copies this many GiB each way (two pinned buffers, two device buffers).
@@ -318,8 +318,8 @@ def _pretty_torch_env(v):
 FORMATS = {
     "build_env": lambda v: _assignments(v) or "none of " + " ".join(BUILD_ENV),
     "allocator_conf": lambda v: (_assignments(v) or "unset (torch's defaults)") + (
-        "" if expandable_segments_env(v) is not None else
-        "; the measured plan turns expandable_segments on from attach to detach (the block's expandable_segments)"),
+        "; the measured plan turns expandable_segments on from attach to detach (the block's expandable_segments)"
+        if wanted(True, "cuda", v) else ""),
     "settings": lambda v: ", ".join(f"{k} {'default' if x is None else f'{x:g}'}" for k, x in v.items()),
     "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "
                                     f"PCI {d['pci']}, NUMA node {d['numa_node']}" for i, d in enumerate(ds)),

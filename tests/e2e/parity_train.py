@@ -652,6 +652,13 @@ def train_with(spec):
         groups = [{"params": [p for _, p in trainable]}]
     optimizer = optimizer_for(spec, groups)
     api = spec.get("api", "offload")
+    switched = switch_saved = None
+    if spec.get("scripted_memory"):
+        # the measured plan's allocator switch as on a CUDA device (a GPU's attach holds it already, the CPU's
+        # when measure_with below makes the plan), recording what it would pass torch; put back at the end
+        switched, switch_saved = [], (allocator.wanted, allocator.SWITCH.setter, allocator.SWITCH.current)
+        allocator.wanted = lambda *args, **kwargs: True
+        allocator.SWITCH.setter, allocator.SWITCH.current = switched.append, lambda: "max_split_size_mb:512"
     init = deepspeed_offload.initialize if api == "offload" else deepspeed.initialize
     engine, _, _, _ = init(model=model, optimizer=optimizer,
                            config=dict(config, optimizer_state_offload={}) if api == "attach_later" else config)
@@ -664,17 +671,13 @@ def train_with(spec):
         handle = deepspeed_offload.get_handle(engine)
         handle.timing.early_cap = handle.layout.nbytes[handle.order[0]]
     compile_ops = CompileOps(engine, spec["compile_ops"]) if spec.get("compile_ops") else None
-    scripted = switched = None
+    scripted = None
     if spec.get("scripted_memory") and deepspeed_offload.get_handle(engine) is not None:
         # the measured plan on the CPU, over a device whose figures are scripted
         from collections import deque
         s, handle = spec["scripted_memory"], deepspeed_offload.get_handle(engine)
         from deepspeed_offload.runtime.memory.iteration_memory import DeviceMemory
         scripted = ScriptedMemory(handle, s["limit"], s["fixed"], s["per_element"])
-        # the allocator switch as on a CUDA device, recording what it would pass torch
-        switched = []
-        allocator.wanted = lambda *args, **kwargs: True
-        allocator.SWITCH.setter, allocator.SWITCH.current = switched.append, lambda: "max_split_size_mb:512"
         handle.measure_with(DeviceMemory(scripted))
         handle.plan.margin = s["margin"]
         handle.plan.recent = deque(maxlen=s["recent"])
@@ -922,6 +925,8 @@ def train_with(spec):
         held = allocator.SWITCH.holders
         handle.detach()
         result["allocator_switch"] = {"calls": list(switched), "held": held, "after_detach": allocator.SWITCH.holders}
+    if switch_saved is not None:
+        allocator.wanted, (allocator.SWITCH.setter, allocator.SWITCH.current) = switch_saved[0], switch_saved[1:]
     return result
 
 

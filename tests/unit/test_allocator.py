@@ -109,11 +109,15 @@ def test_a_mode_holds_it_from_attach_to_detach(monkeypatch):
     assert calls == [] and off.detach == [] and logged == []
     on = mode(True)
     hold_for(on, switch)
+    hold_for(on, switch)  # the plan made again (measure_with): still one hold
     assert calls == ["expandable_segments:True"] and switch.holders == 1 and len(logged) == 1
+    assert len(on.detach) == 1
     assert "expandable segments" in logged[0]
     for fn in on.detach:
         fn()
     assert calls == ["expandable_segments:True", "expandable_segments:False"] and switch.holders == 0
+    hold_for(on, switch)  # attached again (detach let go of it)
+    assert calls[-1] == "expandable_segments:True" and switch.holders == 1
 
 
 def test_the_settings_passed_along_are_those_torch_runs_with(monkeypatch):

@@ -92,6 +92,9 @@ def test_the_allocator_settings_are_reported_where_set(monkeypatch):
                                                      "expandable_segments)")
     assert envinfo.FORMATS["allocator_conf"]({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}).endswith(
         "(the block's expandable_segments)")
+    # where the switch does not act, it is not promised
+    assert envinfo.FORMATS["allocator_conf"]({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}) == \
+        "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     conf = envinfo.probe_allocator_conf()
     assert conf == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -130,13 +130,21 @@ def _rocm() -> bool:  # (its allocator's expandable segments are not measured he
 
 
 def hold_for(mode, switch: ExpandableSegments = SWITCH):
-    """At attach, where ``wanted``: the setting on until ``mode`` detaches (or its attach is undone)."""
-    if not wanted(mode.cfg.expandable_segments, mode.acc.device_name()):
+    """Where ``wanted``: the setting on until ``mode`` detaches (or its attach is undone); one hold per
+    mode, however often its plan is made."""
+    if getattr(mode, "holds_expandable_segments", False) or \
+            not wanted(mode.cfg.expandable_segments, mode.acc.device_name()):
         return
     from deepspeed.utils import log_dist
     if not switch.hold():
         return
-    mode.on_detach(switch.release)
+    mode.holds_expandable_segments = True
+
+    def release():
+        mode.holds_expandable_segments = False
+        switch.release()
+
+    mode.on_detach(release)
     log_dist("[deepspeed-offload] measured plan: the caching allocator maps memory into expandable segments "
              "until detach, so that free pieces of its segments do not take the room of resident state "
              "(the block's expandable_segments: false, or PYTORCH_CUDA_ALLOC_CONF naming the setting, "
