@@ -94,7 +94,7 @@ def test_a_mode_holds_it_from_attach_to_detach(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(allocator, "_rocm", lambda: False)
     calls, logged = [], []
-    monkeypatch.setattr("deepspeed.utils.log_dist", lambda msg, **kw: logged.append(msg))
+    monkeypatch.setattr(allocator, "log_dist", lambda msg, **kw: logged.append(msg))
     switch = ExpandableSegments(setter=calls.append, current=lambda: "")
 
     def mode(block):

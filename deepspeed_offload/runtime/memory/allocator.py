@@ -16,8 +16,12 @@ The process's environment decides where it names the setting (``PYTORCH_ALLOC_CO
 alone (a process that also runs vLLM's memory pools, which refuse expandable segments).
 """
 
+import logging
 import os
 from typing import Callable, List, Mapping, Optional, Tuple
+
+import torch
+from deepspeed.utils import log_dist
 
 # The caching allocator's settings, under each name torch reads (which one wins depends on the torch version).
 ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -50,7 +54,6 @@ def _options(settings: str) -> List[Tuple[str, str]]:
 def _current_settings(environ: Mapping[str, str] = os.environ) -> str:
     """The settings the allocator runs with: torch's own record where it keeps one (torch >= 2.9, which
     reads ``PYTORCH_ALLOC_CONF`` first), else what torch read from the environment."""
-    import torch
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         return getter()
@@ -68,7 +71,6 @@ def with_expandable_segments(settings: str, on: bool) -> str:
 
 def _torch_setter(settings: str):
     """Parse ``settings`` as the allocator's settings now (what is already reserved stays as it is)."""
-    import torch
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
     if setter is None:
         setter = torch.cuda.memory._set_allocator_settings
@@ -125,7 +127,6 @@ def wanted(block_value: bool, device_name: str, environ: Mapping[str, str] = os.
 
 
 def _rocm() -> bool:  # (its allocator's expandable segments are not measured here)
-    import torch
     return torch.version.hip is not None
 
 
@@ -135,7 +136,6 @@ def hold_for(mode, switch: ExpandableSegments = SWITCH):
     if getattr(mode, "holds_expandable_segments", False) or \
             not wanted(mode.cfg.expandable_segments, mode.acc.device_name()):
         return
-    from deepspeed.utils import log_dist
     if not switch.hold():
         return
     mode.holds_expandable_segments = True
@@ -152,7 +152,4 @@ def hold_for(mode, switch: ExpandableSegments = SWITCH):
 
 
 def _warn(message: str):
-    import logging
-
-    from deepspeed.utils import log_dist
     log_dist(f"[deepspeed-offload] {message}", ranks=[0], level=logging.WARNING)
