@@ -127,6 +127,7 @@ def main():
               "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
               "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
               "expandable_segments": allocator.SWITCH.on(),  # the environment's, or the measured plan's switch
+              "norm": None if handle is None else handle.norms.source.value,  # runtime/step/grad_norm.py
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
               "transformers": transformers.__version__}
     with open(args.out, "w") as f:

@@ -11,7 +11,8 @@ all); each wrapper calls DeepSpeed's own method and, around it, one verb of the 
   a sub-group's state comes in, and goes back out;
 - ``engine.forward``: the input's size, before the forward runs (the measured plan may give state
   back first, when the input is larger than any it measured: placement.py);
-- ``step``: a step begins (before DeepSpeed's norm); ``_post_step``: DeepSpeed's loop over the
+- ``step``: a step begins (before DeepSpeed's norm); ``_get_norm_groups``: that norm, queued without
+  a wait per sub-group where it gives DeepSpeed's bits (``grad_norm.py``); ``_post_step``: DeepSpeed's loop over the
   sub-groups is done; ``step`` returns or raises: the step closes (``step.py``: applied, skipped
   or raised, as DeepSpeed decided), and everything between steps runs from there;
 - readers and writers of host state (``state_dict``, the ``_restore_*`` and ``set_*_hp_param``
@@ -46,6 +47,7 @@ def install(mode):
     patch(opt, "load_state_dict",
           lambda orig: _around(mode, orig, writes=True, after=lambda: mode.tensors.after_load(mode.acc)))
     patch(opt, "step", lambda orig: _step(mode, orig))
+    patch(opt, "_get_norm_groups", mode.norms.wrap)
     patch(opt, "_post_step", lambda orig: _post_step(mode, orig))
     patch(engine, "_backward_prologue", lambda orig: _backward_prologue(mode, orig))
     patch(engine, "forward", lambda orig: _forward(mode, orig))

@@ -27,6 +27,7 @@ from ..speculation import members
 from ..speculation.updates import Speculation
 from . import hooks
 from .early_loads import EarlyLoads
+from .grad_norm import GroupNorms
 from .load_timing import LoadTiming
 
 
@@ -52,6 +53,7 @@ def build(mode, placement: Placement, early_in_backward: bool):
     mode.tensors.all_to_host()  # what exists now: masters; states too if the optimizer stepped
     mode.acc.empty_cache()
     fault_point("moving")
+    mode.norms = GroupNorms(mode.opt)  # DeepSpeed's norm at the step's start, without a wait per sub-group
     hooks.install(mode)
     mode.checkpoint_patches = PatchRegistry("deepspeed-offload async checkpoint")  # close() takes them off
     if cfg.async_checkpoint:  # with a buffer for its copies aside where attach's node plan had room
