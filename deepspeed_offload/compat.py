@@ -29,6 +29,7 @@ IPG_BUCKETS = Version("0.17.2")  # ZeRO-3's reduce buckets, one per dtype: optim
 QUIET_LOGGER = Version("0.17.6")  # DeepSpeed's logger at warning level by default, set_log_level_from_string (#7526)
 TENSOR_BACKWARD = Version("0.18.3")  # a plain loss.backward() runs the engine's backward prologue (#7665)
 PASS_CONTRACTS = Version("0.19.3")  # DeepCompile's PassContract, register_compile_pass(..., contract) (#8139)
+NORM_DTYPE = Version("0.19.6")  # gradient norms in fp64 only where the accelerator has it: get_norm_dtype (#8293)
 PIN_EMPTY = Version("0.19.7")  # accelerator.pin_empty (#8211)
 REMOVED_FEATURE_KEYS = Version("0.19.7")  # DeepSpeedConfig refuses keys of removed features (issue #8489)
 
@@ -93,6 +94,15 @@ def removed_config_keys():
 
 # ---------------------------------------------------------------------------------------------
 # Host memory
+
+
+def norm_dtype():
+    """The dtype ZeRO-3's gradient norm accumulates in (fp64 before 0.19.6; since, fp64 where the accelerator
+    has it, else fp32)."""
+    if not at_least(NORM_DTYPE):
+        return torch.double
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+    return get_norm_dtype()
 
 
 def pin_empty(acc, numel: int, dtype):

@@ -24,10 +24,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-try:  # DeepSpeed >= 0.18: fp64 where the accelerator has it
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-except ImportError:  # DeepSpeed 0.16-0.17: always fp64
-    get_norm_dtype = None
+from ...compat import norm_dtype
 
 
 class NormSource(enum.Enum):
@@ -75,7 +72,7 @@ class GroupNorms:
 
     def compute(self) -> List[torch.Tensor]:
         opt = self.opt
-        dtype = torch.double if get_norm_dtype is None else get_norm_dtype()
+        dtype = norm_dtype()
         return [self._norm(opt.averaged_gradients[i], params, dtype) for i, params in enumerate(opt.fp16_groups)]
 
     def _norm(self, grads, params, dtype) -> torch.Tensor:
