@@ -730,11 +730,18 @@ def train_with(spec):
         settle, spec_copies = speculation.settle_casts, speculation.mode.copies
 
         def unjoined_settle():
+            casts = [(s.lp.numel(), s.lp.dtype) for s in speculation.updated.values() if s.lp is not None]
             join, spec_copies.join_side = spec_copies.join_side, lambda: None
             try:
                 return settle()
             finally:
                 spec_copies.join_side = join
+                # the compute stream takes the casts' freed blocks at once and writes them, while the side
+                # stream has yet to copy from them (a step's temporaries may land there any time: which ones
+                # do is the allocator's business, so the control does not leave it to chance)
+                taken = [torch.full((n, ), float("nan"), dtype=dtype, device=get_accelerator().current_device_name())
+                         for n, dtype in casts]
+                del taken
 
         speculation.settle_casts = unjoined_settle
     if spec.get("loads_from_hook") is not None and speculation is not None:
