@@ -12,9 +12,9 @@ all); each wrapper calls DeepSpeed's own method and, around it, one verb of the 
 - ``engine.forward``: the input's size, before the forward runs (the measured plan may give state
   back first, when the input is larger than any it measured: placement.py);
 - ``step``: a step begins (before DeepSpeed's norm); ``_get_norm_groups``: that norm, queued without
-  a wait per sub-group where it gives DeepSpeed's bits (``grad_norm.py``); ``_post_step``: DeepSpeed's loop over the
-  sub-groups is done; ``step`` returns or raises: the step closes (``step.py``: applied, skipped
-  or raised, as DeepSpeed decided), and everything between steps runs from there;
+  a wait per sub-group where it gives DeepSpeed's bits (``grad_norm.py``); ``_post_step``: DeepSpeed's
+  loop over the sub-groups is done; ``step`` returns or raises: the step closes (``step.py``: applied,
+  skipped or raised, as DeepSpeed decided), and everything between steps runs from there;
 - readers and writers of host state (``state_dict``, the ``_restore_*`` and ``set_*_hp_param``
   helpers, ``load_state_dict``) wait for the write-backs (and void speculated updates written over
   the host store); writers of gradients void speculation;
