@@ -2,8 +2,9 @@
 
 DeepSpeed's ``_get_norm_groups`` calls ``get_grad_norm_direct`` once per sub-group: the norm of each
 gradient partition (in fp64 where the accelerator has it), their squares summed and all-reduced, the
-square root, and ``-1`` where that is not finite. It makes the ``-1`` with ``torch.tensor(-1.0, device=...)``, a copy from
-pageable host memory, which waits for everything queued on the compute stream. DeepSpeed's default
+square root, and ``-1`` where that is not finite. It makes the ``-1`` with ``torch.tensor(-1.0,
+device=...)``, a copy from pageable host memory, which waits for everything queued on the compute
+stream. DeepSpeed's default
 sub-group size gives a 7B model 7 sub-groups; stream mode's ``sub_group_mb`` gives it 162, and the
 CPU launches one sub-group's norm, waits for the device to finish it, launches the next: the step's
 first loads fill their staging slots and the H2D stream idles until the norm is done.
