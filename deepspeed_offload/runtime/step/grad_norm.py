@@ -39,6 +39,9 @@ class GroupNorms:
 
     def __init__(self, opt):
         self.opt = opt
+        # the group each sub-group's norm is all-reduced over, as DeepSpeed's get_grad_norm_direct picks it
+        self._group_of = opt._get_param_partition_group if hasattr(opt, "_get_param_partition_group") \
+            else (lambda param: opt.dp_process_group)
         self._err = None  # DeepSpeed's -1 for a non-finite norm, made once on the device
         why = self._not_plain(opt)
         self.source = NormSource.UNCHECKED if why is None else NormSource.DEEPSPEEDS
@@ -77,14 +80,11 @@ class GroupNorms:
         return [self._norm(opt.averaged_gradients[i], params, dtype) for i, params in enumerate(opt.fp16_groups)]
 
     def _norm(self, grads, params, dtype) -> torch.Tensor:
-        opt = self.opt
-        group = opt._get_param_partition_group(params[0]) if hasattr(opt, "_get_param_partition_group") \
-            else opt.dp_process_group
         total = torch.sum(torch.pow(torch.stack([g.to(dtype).norm(2.0) for g in grads]), 2.0))
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._group_of(params[0]))
         total = total**(1. / 2.0)
         if self._err is None:
-            self._err = torch.tensor(-1.0, device=opt.device, dtype=torch.float)
+            self._err = torch.tensor(-1.0, device=self.opt.device, dtype=torch.float)
         return torch.where(total.isnan().logical_or(total.isinf()), self._err, total)
 
     def _decide(self, theirs, ours):
