@@ -11,10 +11,18 @@ process group on a timeout), and the CPU accelerator's shm all-reduce leaves a 6
 in /dev/shm that nobody unlinks (conftest.py removes what a test created). After one launch hung,
 the rest fail at once with its reason instead of each waiting out its own timeout.
 
+Ports: each launch's rendezvous port is reserved by ``reserved_port`` below the kernel's ephemeral
+range (where no other process's outgoing connection can take it between our choice and the
+launcher's bind: NCCL's and TCPStore's client sockets use that range), under a lock file that keeps
+two tests of this machine (``pytest -n 8``) from choosing the same one; a launch that still meets
+``EADDRINUSE`` is started again on another port.
+
 Launched scripts call ``inject_checkpoint_faults`` to hand the checkpoint faults their spec asks
 for (a slow write, the guard off) to the engine's checkpointer.
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -41,6 +49,63 @@ NO_FP16 = "DS_OFFLOAD_TEST_NO_FP16"
 
 class LaunchError(AssertionError):
     pass
+
+
+# Ports the launches reserve: below the ephemeral range, above the well-known services'.
+PORTS_FROM = 20000
+PORT_LOCKS = Path(os.environ.get("TMPDIR", "/tmp")) / "ds_offload_test_ports"
+# The launcher's rendezvous lost its port anyway (another program bound it): started again this often.
+PORT_RETRIES = 3
+IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections' source ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+@contextlib.contextmanager
+def reserved_port():
+    """A TCP port for one launch's rendezvous, held for the ``with`` block: below the ephemeral range,
+    free when chosen, and locked (``flock`` on a file of its own) against every other test process of
+    this machine until the block ends."""
+    PORT_LOCKS.mkdir(parents=True, exist_ok=True)
+    low, high = PORTS_FROM, max(PORTS_FROM + 1000, ephemeral_low())
+    start = low + (os.getpid() * 7919 + time.monotonic_ns()) % (high - low)
+    for k in range(high - low):
+        port = low + (start - low + k) % (high - low)
+        handle = open(PORT_LOCKS / f"{port}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        try:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            handle.close()
+            continue
+        try:
+            yield port
+        finally:
+            handle.close()  # (closing releases the lock)
+        return
+    raise LaunchError(f"no free port between {low} and {high}")
+
+
+def launch_with_port(make_cmd, name: str, timeout: int, env: dict) -> subprocess.CompletedProcess:
+    """``run(make_cmd(port), ...)`` on a reserved port; started again (on another port) while its
+    output says the port was taken, at most ``PORT_RETRIES`` times."""
+    for attempt in range(PORT_RETRIES):
+        with reserved_port() as port:
+            proc = run(make_cmd(port), name, timeout, env)
+        if proc.returncode == 0 or not IN_USE.search(proc.stdout or ""):
+            return proc
+    return proc
 
 
 def stale_locks():
@@ -110,15 +175,14 @@ def launch(spec: dict, tmp_path: Path, name: str, nprocs: int = 2, timeout: int 
     spec = dict(spec, out=str(out))
     spec_file = tmp_path / f"{name}.json"
     spec_file.write_text(json.dumps(spec))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port", str(port),
-           str(script), str(spec_file)]
+    def cmd(port):
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), "--master_port",
+                str(port), str(script), str(spec_file)]
+
     full_env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                     OMP_NUM_THREADS="1")
     full_env.update(env or {})
-    proc = run(cmd, name, timeout, env=full_env)
+    proc = launch_with_port(cmd, name, timeout, env=full_env)
     (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if expect_failure:
         if proc.returncode == 0:
@@ -140,29 +204,27 @@ def launch_two_nodes(spec: dict, tmp_path: Path, name: str, ranks_per_node: int 
     out = tmp_path / f"{name}.pt"
     spec_file = tmp_path / f"{name}.json"
     spec_file.write_text(json.dumps(dict(spec, out=str(out))))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     # Each agent writes into a file of its own: through pipes read one after the other, the second
     # agent's would fill while the first is waited for, and a rank blocked writing to it stalls the
     # collectives of all four.
     agents, files = [], [tmp_path / f"{name}-node{node}.log" for node in (0, 1)]
-    for node, log_file in zip((0, 1), files):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-               "--nproc_per_node", str(ranks_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
-               str(PARITY), str(spec_file)]
-        with open(log_file, "w") as sink:
-            agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-        for agent in agents:
-            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for agent in agents:
-            os.killpg(agent.pid, signal.SIGKILL)
-        raise LaunchError(f"{name}: the two agents timed out after {timeout}s") from None
+    with reserved_port() as port:  # held until both agents are done
+        for node, log_file in zip((0, 1), files):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                   "--nproc_per_node", str(ranks_per_node), "--master_addr", "127.0.0.1", "--master_port",
+                   str(port), str(PARITY), str(spec_file)]
+            with open(log_file, "w") as sink:
+                agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        deadline = time.monotonic() + timeout
+        try:
+            for agent in agents:
+                agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for agent in agents:
+                os.killpg(agent.pid, signal.SIGKILL)
+            raise LaunchError(f"{name}: the two agents timed out after {timeout}s") from None
     logs = [f.read_text() for f in files]
     for node, (agent, log) in enumerate(zip(agents, logs)):
         if agent.returncode != 0:

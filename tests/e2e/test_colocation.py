@@ -10,26 +10,23 @@ Parity of every fp32 master and optimizer state across offload/reload cycles is 
 import ast
 import os
 import re
-import socket
 import sys
 
 import pytest
 
-from harness import ROOT, gpus, run, two_ranks_unavailable
+from harness import ROOT, gpus, launch_with_port, two_ranks_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyaccel]
 NPROCS = 1 if two_ranks_unavailable() else 2
 
 
 def colocate(*flags):
-    with socket.socket() as sock:  # a port of its own: tests run side by side
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(NPROCS), "--master_port", str(port),
-           "examples/colocate.py",
-           "--deepspeed_config", "examples/ds_config_colocate.json", *flags]
+    def cmd(port):  # a port of its own: tests run side by side
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(NPROCS), "--master_port",
+                str(port), "examples/colocate.py", "--deepspeed_config", "examples/ds_config_colocate.json", *flags]
+
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    proc = run(cmd, "colocate" + "".join(flags), 400, env)
+    proc = launch_with_port(cmd, "colocate" + "".join(flags), 400, env)
     assert proc.returncode == 0, proc.stdout[-6000:]
     rounds = re.findall(r"round (\d+): allocated ([\d.]+) GiB before the rollout, ([\d.]+) GiB during it, .* "
                         r"generated (\d+) tokens", proc.stdout)
