@@ -267,6 +267,38 @@ def test_a_slab_that_cannot_be_locked_again_stays_pageable(fake_host, monkeypatc
     assert torch.all(store.view(0, MASTER) == 6)
 
 
+def test_a_failed_lock_never_zeroes_state_that_lives_in_its_slab(fake_host, monkeypatch):
+    """Two sub-groups share a slab, both resident (the slab released). The first streams again and
+    locking fails (the memlock limit taken by a colocation store or a save's buffers): its state is
+    written into the pageable slab. When the second streams again and locking works, the slab is
+    locked as it is: the first's state, its only copy, is not zeroed with the pages."""
+    fake_host()
+    page = mmap.PAGESIZE // 4
+    monkeypatch.setattr(pinned, "SLAB_BYTES", 4 * page * 4)  # both sub-groups in one slab
+    pinner = RecordingPinner()
+    monkeypatch.setattr(pinned, "make_pinner", lambda acc, pin: pinner)
+    store = HostStore({0: [(MASTER, torch.float32, page)], 1: [(MASTER, torch.float32, page)]}, pin_memory=True)
+    assert len(store.slabs.slabs) == 1
+    store.unpin([0, 1])
+    assert store.pinned_bytes == 0
+    register = pinner.register
+
+    def refuse(address, nbytes):
+        raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+    monkeypatch.setattr(pinner, "register", refuse)
+    store.repin([0])
+    store.view(0, MASTER).fill_(6)  # the give-back writes its state (move_into)
+    assert store.pinned_bytes == 0
+    monkeypatch.setattr(pinner, "register", register)
+    store.repin([1])
+    store.view(1, MASTER).fill_(8)
+    assert torch.all(store.view(0, MASTER) == 6), "locking the shared slab again zeroed live state"
+    assert torch.all(store.view(1, MASTER) == 8)
+    assert store.slabs.phase == [pinned.SlabPhase.LOCKED] and store.pinned_bytes == store.nbytes
+    store.unpin([0, 1])  # both resident again: pageable or locked, its memory goes back
+    assert store.slabs.phase == [pinned.SlabPhase.RELEASED]
+
+
 def test_pinning_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
     import sys
 

@@ -136,8 +136,8 @@ class HostStore:
 
     @property
     def pinned_bytes(self) -> int:
-        """The store's bytes locked now: all of it, less the slabs unpinned."""
-        return self.nbytes - self.slabs.unpinned_bytes
+        """The store's bytes locked now: all of it, less the slabs unpinned or left pageable."""
+        return self.nbytes - self.slabs.unlocked_bytes
 
     @property
     def regions(self) -> Dict[int, Dict[torch.dtype, Tuple[int, int]]]:

@@ -8,9 +8,10 @@ boundaries, so that no copy of a sub-group spans two registrations. Worker threa
 first (so the kernel zeroes pages on several cores, and, bound to the GPU's NUMA node, places them
 on that node's memory) and register it. A failure half way unregisters what was registered.
 Registration ends when the mapping is freed: the finalizer runs before the memory is unmapped.
-``Slabs`` keeps each slab's state: a slab whose sub-groups all live on the device (the measured plan
-made them resident) is unlocked and its pages given back to the kernel, and locked again before a
-sub-group in it streams.
+``Slabs`` keeps each slab's phase (``SlabPhase``): a slab whose sub-groups all live on the device
+(the measured plan made them resident) is unlocked and its pages given back to the kernel, and locked
+again before a sub-group in it streams; where locking again fails the slab stays pageable, and since
+its regions hold state from then on it is never zeroed again.
 
 Which way memory is locked is decided once, by ``make_pinner``: ``cudaHostRegister`` on CUDA,
 DeepSpeed's ``pin_empty`` (power-of-two sizes) on other accelerators that pin, nothing on the CPU
@@ -18,6 +19,7 @@ accelerator or with ``pin_memory: false``.
 """
 
 import ctypes
+import enum
 import mmap
 import os
 import sys
@@ -178,19 +180,34 @@ class _ProgressLines:
         pass
 
 
+class SlabPhase(enum.Enum):
+    """Where one slab's memory is. Only ``RELEASED`` memory is unused: a slab is zeroed when it is
+    locked again from there, never from ``PAGEABLE``, whose pages hold live state."""
+    LOCKED = "locked"  # page-locked (registered), its regions live
+    RELEASED = "released"  # unlocked and its pages given back: every sub-group in it lives on the device
+    PAGEABLE = "pageable"  # unlocked but live: locking it again failed, its regions hold state (slower copies)
+
+
 class Slabs:
-    """The slabs of a store's mappings, each locked or unpinned. ``unpin``: unlocked, and its pages
+    """The slabs of a store's mappings, each in a ``SlabPhase``. ``unpin``: unlocked, and its pages
     given back to the kernel (``MADV_DONTNEED``: the memory reads as zeros afterwards, and is held
-    again when written); ``lock``: locked again. A store whose accelerator pins its own way
-    (``pin_empty``) has no slabs: nothing is unpinned."""
+    again when written); ``lock``: locked again (``PAGEABLE`` where that fails: the memory still
+    holds what is written into it, the copies are slower). A store whose accelerator pins its own way
+    (``pin_empty``) has no slabs: nothing is unpinned. ``move`` is the one place a phase changes."""
 
     def __init__(self, pinner=None, mappings=None, work=(), cpus=()):
         self.pinner, self.mappings = pinner, mappings or {}
         self.cpus = list(cpus)  # the GPU's NUMA node's CPUs, where the threads that lock again run
         self.slabs: List[Tuple[torch.dtype, int, int]] = list(work)  # (dtype, start, end) in bytes
+        self.phase = [SlabPhase.LOCKED] * len(self.slabs)
+        # what the finalizer unregisters: the slabs locked when the mapping goes (shared, kept current)
         self.locked = [True] * len(self.slabs)
         for dt, mapping in self.mappings.items():  # unregisters what is still locked when it goes
             weakref.finalize(mapping, _unregister_locked, pinner, self._addresses(dt), self.locked)
+
+    def move(self, k: int, phase: SlabPhase):
+        self.phase[k] = phase
+        self.locked[k] = phase is SlabPhase.LOCKED
 
     def _addresses(self, dtype) -> List[Tuple[int, int]]:
         base = _address(self.mappings[dtype])
@@ -201,15 +218,17 @@ class Slabs:
         return _address(self.mappings[dt]) + lo
 
     def unpin(self, k: int):
-        if not self.locked[k]:
+        """Every sub-group with a region in slab ``k`` lives on the device: its memory goes back."""
+        if self.phase[k] is SlabPhase.RELEASED:
             return
         dt, lo, hi = self.slabs[k]
-        try:
-            self.pinner.unregister(self._address(k))
-        except RuntimeError as e:  # it stays locked and held; training goes on
-            logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay locked: {e}")
-            return
-        self.locked[k] = False
+        if self.phase[k] is SlabPhase.LOCKED:
+            try:
+                self.pinner.unregister(self._address(k))
+            except RuntimeError as e:  # it stays locked and held; training goes on
+                logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay locked: {e}")
+                return
+        self.move(k, SlabPhase.RELEASED)
         page = mmap.PAGESIZE
         first, last = -(-lo // page) * page, hi // page * page  # the whole pages inside the slab
         if last > first and hasattr(mmap, "MADV_DONTNEED"):
@@ -218,11 +237,14 @@ class Slabs:
     def lock(self, slabs: Iterable[int]):
         """Lock these slabs again, as attach locked them: their pages touched and registered by up to
         ``pin_threads()`` threads on the GPU's NUMA node at once (one thread faulting a give-back's
-        gigabytes back in would stall the forward it runs before for seconds)."""
-        todo = [k for k in dict.fromkeys(slabs) if not self.locked[k]]
+        gigabytes back in would stall the forward it runs before for seconds). A released slab is
+        zeroed first (its pages back); a pageable one keeps its bytes (live state). Where registering
+        fails the slab is pageable from then on: nothing raises, nothing is lost."""
+        todo = [k for k in dict.fromkeys(slabs) if self.phase[k] is not SlabPhase.LOCKED]
         if not todo:
             return
         bound = threading.local()
+        faults = []
 
         def relock(k):
             if self.cpus and not getattr(bound, "done", False) and hasattr(os, "sched_setaffinity"):
@@ -230,22 +252,36 @@ class Slabs:
                 bound.done = True
             _, lo, hi = self.slabs[k]
             address = self._address(k)
-            ctypes.memset(address, 0, hi - lo)  # the pages back, zeroed in parallel (they read as zeros anyway)
+            if self.phase[k] is SlabPhase.RELEASED:
+                ctypes.memset(address, 0, hi - lo)  # the pages back, zeroed in parallel (they read as zeros anyway)
             try:
                 self.pinner.register(address, hi - lo)
             except RuntimeError as e:  # pageable memory still works, its copies are slower; training goes on
-                logger.warning(f"[deepspeed-offload] {format_bytes(hi - lo)} of the host store stay pageable: {e}")
+                faults.append(e)
+                self.move(k, SlabPhase.PAGEABLE)  # live from now on: never zeroed again
                 return
-            self.locked[k] = True
+            self.move(k, SlabPhase.LOCKED)
 
         with ThreadPoolExecutor(max_workers=min(pin_threads(), len(todo)),
                                 thread_name_prefix="deepspeed-offload-pin") as pool:
             for future in [pool.submit(relock, k) for k in todo]:
                 future.result()
+        if faults:
+            logger.warning(f"[deepspeed-offload] {format_bytes(self.bytes_in(SlabPhase.PAGEABLE))} of the host store "
+                           f"stay pageable (slower copies) after locking failed: {faults[0]}")
+
+    def bytes_in(self, phase: SlabPhase) -> int:
+        return sum(hi - lo for (_, lo, hi), p in zip(self.slabs, self.phase) if p is phase)
 
     @property
     def unpinned_bytes(self) -> int:
-        return sum(hi - lo for (_, lo, hi), locked in zip(self.slabs, self.locked) if not locked)
+        """Bytes given back to the host (released slabs)."""
+        return self.bytes_in(SlabPhase.RELEASED)
+
+    @property
+    def unlocked_bytes(self) -> int:
+        """Bytes not page-locked: released, or pageable where locking again failed."""
+        return self.unpinned_bytes + self.bytes_in(SlabPhase.PAGEABLE)
 
 
 def allocate(sizes: Dict[torch.dtype, int], bounds: Dict[torch.dtype, List[Tuple[int, int]]], pinner,
