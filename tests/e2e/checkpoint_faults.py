@@ -4,12 +4,15 @@ several scenarios per launch. Each rank writes what it saw to ``<out>.rank<r>`` 
 ``scenario: "faults"``: damaged, truncated and mixed files are refused at load on every rank (and
 nothing hangs); the intact checkpoint then loads; a write that runs into RLIMIT_FSIZE on rank 1
 fails on both ranks with the errno text and the path, ``latest`` untouched, and nothing of it is
-left once the ranks have agreed on the failure; the next good save commits as usual.
+left once the ranks have agreed on the failure; the next good save commits as usual. A save whose
+staging raises on rank 1 raises on both ranks from ``save_checkpoint``, leaves nothing behind, and
+training and the next save go on.
 
 ``scenario: "die"``: rank 1 leaves with ``os._exit(0)`` while its write is in flight (what
 examples did); rank 0 exits normally and must fail the commit within seconds and exit non-zero.
 """
 
+import dataclasses
 import json
 import os
 import resource
@@ -135,6 +138,25 @@ def faults(spec, engine, gen, out):
     engine.save_checkpoint(d, tag="t2")
     deepspeed_offload.wait_for_checkpoint(engine)
     out["left_after_next"] = sorted(os.listdir(d))
+
+    # rank 1's staging raises after the ranks agreed on the save id: both ranks raise the same error
+    # from save_checkpoint, and training goes on in step (no rank is left with a check the other skips)
+    ckpt = deepspeed_offload.get_handle(engine).checkpointer
+
+    def staged(tag):
+        if tag == "bad" and rank == 1:
+            raise MemoryError("no host memory for the snapshot (injected)")
+    ckpt.faults = dataclasses.replace(ckpt.faults, staged=staged)
+    try:
+        engine.save_checkpoint(d, tag="bad")
+        out["bad"] = None
+    except ck.CheckpointWriteError as e:
+        out["bad"] = str(e)
+    train(engine, 2, gen, spec)
+    engine.save_checkpoint(d, tag="t3")
+    deepspeed_offload.wait_for_checkpoint(engine)
+    out["latest_after_bad"] = open(os.path.join(d, "latest")).read()
+    out["left_after_bad"] = sorted(os.listdir(d))
 
 
 def die(spec, engine, gen, out):

@@ -193,3 +193,10 @@ def test_damaged_truncated_mixed_and_disk_full_on_both_ranks(runs):
     scripts = recovery_scripts(runs)
     assert seen[0]["left_after_full"] == ["latest", "t", *scripts]
     assert seen[0]["left_after_next"] == ["latest", "t", "t2", *scripts]
+    # a staging failure on rank 1: the same error on both ranks, nothing left of it, training goes on
+    for rank, out in enumerate(seen):
+        assert out["bad"] is not None and "checkpoint bad not saved" in out["bad"], (rank, out["bad"])
+        assert "no host memory for the snapshot (injected)" in out["bad"], (rank, out["bad"])
+        assert out["latest_after_bad"] == "t3"
+    assert "rank 1" in seen[0]["bad"]
+    assert seen[0]["left_after_bad"] == ["latest", "t", "t2", "t3", *scripts]

@@ -110,9 +110,8 @@ class AsyncCheckpointer:
             if failures and rank == 0:  # no rank writes into it: every rank stops here
                 shutil.rmtree(staging, ignore_errors=True)
             agreement.raise_agreed(failures, problem, CheckpointWriteError, f"checkpoint {tag} not saved")
-            staged, scripts, zipfile = self.stager.stage(self.engine, self._orig_save, save_dir, tag, staging,
-                                                         client_state, exclude_frozen_parameters,
-                                                         self.faults.copy_aside)
+            staged, scripts, zipfile = self._stage_agreed(save_dir, tag, staging, client_state,
+                                                          exclude_frozen_parameters, rank)
         except BaseException:
             if heartbeat is not None:
                 heartbeat.stop(remove_file=True)
@@ -134,6 +133,39 @@ class AsyncCheckpointer:
                  f"{len(staged.paths)} file(s) writing in the background, the optimizer state {how}{resident}",
                  ranks=[0])
         return True
+
+    def _stage_agreed(self, save_dir, tag, staging, client_state, exclude_frozen_parameters, rank):
+        """Stage this rank's files, then agree: a save is handed to the writers on every rank or on
+        none. Where staging raised on any rank (a snapshot out of host memory, DeepSpeed's own save),
+        every rank drops what it staged, rank 0 removes the staging directory, and every rank raises
+        the same ``CheckpointWriteError``; the previous checkpoint is untouched and no rank is left with
+        a save whose outcome the others never check (its next step's agreement would pair with
+        another collective)."""
+        staged, problem, cause = None, None, None
+        try:
+            staged, scripts, zipfile = self.stager.stage(self.engine, self._orig_save, save_dir, tag, staging,
+                                                         client_state, exclude_frozen_parameters,
+                                                         self.faults.copy_aside)
+            if self.faults.staged is not None:
+                self.faults.staged(tag)
+        except Exception as e:  # noqa: B902 - agreed below, so no rank is left waiting
+            problem, cause = f"staging checkpoint {tag} failed: {agreement.describe(e)}", e
+        failures = agreement.agree(problem)
+        if not failures:
+            return staged, scripts, zipfile
+        if staged is not None:
+            try:
+                staged.wait_copied()  # nothing of it still runs into the buffers the next save reuses
+            except Exception:  # noqa: B902 - a failed copy of a save being dropped
+                pass
+            staged.free()
+        agreement.agree(None)  # every rank has dropped its snapshot: nothing writes into the directory
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        try:
+            agreement.raise_agreed(failures, problem, CheckpointWriteError, f"checkpoint {tag} not saved")
+        except CheckpointWriteError as error:
+            raise error from cause
 
     def _start(self, save_dir, tag, rank) -> Tuple[str, Optional[str]]:
         """Rank 0 finishes interrupted swaps and removes what earlier saves of ``tag`` left (every

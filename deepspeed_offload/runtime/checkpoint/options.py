@@ -44,6 +44,9 @@ class Faults:
     # True/False: copy the host store's tensors aside, or write them from the store, whatever the
     # host memory (None: as it allows; staging.py).
     copy_aside: Optional[bool] = None
+    # Called with the tag on each rank once its files are staged, before the ranks agree that the save
+    # goes to the writers (a test fails one rank's staging).
+    staged: Optional[Callable[[str], None]] = None
 
 
 NO_FAULTS = Faults()
