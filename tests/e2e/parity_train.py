@@ -33,7 +33,6 @@ from deepspeed_offload.compat import TENSOR_BACKWARD, at_least
 from deepspeed_offload.runtime.colocation.partitions import GRAD_VIEWS
 from deepspeed_offload.runtime.memory import allocator
 from deepspeed_offload.runtime.memory.host_store import MASTER
-from deepspeed_offload.runtime.memory.resplit import resplit
 from harness import NO_FP16, inject_checkpoint_faults, same_bits, same_tensors
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -246,6 +245,24 @@ def attach_with_fault(engine, config, fault):
     records = [None] * deepspeed.comm.get_world_size()
     torch.distributed.all_gather_object(records, record)
     return records  # every rank's
+
+
+def install_move_faults(engine, faults):
+    """The measured plan's moves failing where the spec says: each fault ``{"rank", "after_step", "error"}``
+    makes the take-back's allocation (its prepare, ``runtime/step/moves.py``) raise on that rank in the
+    move after that step (0-based), out of memory (``"oom"``) or another error."""
+    handle, rank = deepspeed_offload.get_handle(engine), deepspeed.comm.get_rank()
+    allocate = handle.arrival.allocate
+
+    def failing(sub_groups):
+        for f in faults:
+            if f["rank"] == rank and handle.lifecycle.applied == f["after_step"] + 1 and sub_groups:
+                if f["error"] == "oom":
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected into a take-back)")
+                raise RuntimeError("injected failure in a take-back")
+        return allocate(sub_groups)
+
+    handle.arrival.allocate = failing
 
 
 def abort_step(engine, fail_at=None):
@@ -704,6 +721,8 @@ def train_with(spec):
         handle.measure_with(DeviceMemory(scripted))
         handle.plan.margin = s["margin"]
         handle.plan.recent = deque(maxlen=s["recent"])
+    if spec.get("move_faults") and deepspeed_offload.get_handle(engine) is not None:
+        install_move_faults(engine, spec["move_faults"])
     if spec.get("force_commit"):  # the negative control: updates from backward committed without the norm check
         deepspeed_offload.get_handle(engine).speculation.force_commit = True
     speculation = getattr(deepspeed_offload.get_handle(engine), "speculation", None)
@@ -840,6 +859,10 @@ def train_with(spec):
                 compile_ops.backward_end(x)
             if step == spec.get("read_before_step_at") and micro == gas - 1:
                 engine.optimizer.state_dict()  # a reader of host state between backward and the step
+            if str(step) in spec.get("lr_before_step", {}) and micro == gas - 1:
+                # a hand-written schedule: the learning rate set between backward and the step
+                for group in engine.optimizer.optimizer.param_groups:
+                    group["lr"] = spec["lr_before_step"][str(step)]
             if spec.get("clip_by_step") and micro == gas - 1:  # clipping that fires on some steps only
                 engine.optimizer.clip_grad = spec["clip_by_step"][step % len(spec["clip_by_step"])]
             if step in spec.get("set_grad_at", ()) and micro == gas - 1:  # a gradient edited before the step
@@ -878,6 +901,8 @@ def train_with(spec):
                 if getattr(handle, "plan", None) is not None:
                     result_extra.setdefault("plan", []).append(
                         {"resident": len(handle.resident), "give_backs": handle.plan.give_backs,
+                         "moves": (handle.moves.give_backs, handle.moves.take_backs, handle.moves.failed)
+                         if hasattr(handle, "moves") else None,
                          "take_backs": handle.plan.take_backs,
                          "members": sorted(handle.speculation.members) if handle.speculation else [],
                          "twins": sorted(handle.store.twins), "released": sorted(handle.store.unpinned)})
@@ -890,7 +915,7 @@ def train_with(spec):
                     engine.reload_states()
             for at, k in spec.get("place_at", []):  # the measured plan's move, at a step of the test's choosing
                 if step == at and micro == gas - 1 and handle is not None:
-                    resplit(handle, k if k >= 0 else len(handle.probe.entries) + k)  # (k < 0: all but -k)
+                    handle.moves.carry_out(k if k >= 0 else len(handle.probe.entries) + k, "place_at")  # (k < 0: all but -k)
                     if spec.get("read_after_place"):  # a CPU reader before the next step: the copies land first
                         state = engine.optimizer.state_dict()
                         tensors = [t for t in _tensors(state) if t.is_floating_point()]
@@ -911,6 +936,9 @@ def train_with(spec):
             result_extra.setdefault("colocation", []).append(colocation_cycle(engine, spec, step))
 
     deepspeed_offload.wait_for_checkpoint(engine)
+    if result_extra.get("plan"):  # every rank's (each rank places its own state)
+        result_extra["plan_by_rank"] = [None] * deepspeed.comm.get_world_size()
+        torch.distributed.all_gather_object(result_extra["plan_by_rank"], result_extra["plan"])
     step_stats = [None if s is None else s.resolve() for s in step_stats]
     result = {"losses": losses, "fp32": {}, "state": {}, "start": start, "step_stats": step_stats,
               "step_seconds": step_seconds, "deepspeed": (deepspeed.__version__, deepspeed.__file__),

@@ -225,6 +225,8 @@ def declare_deepspeed(mode):
     - a forward reads every 16-bit partition (its all-gathers, on the compute stream);
     - ``_reassign_or_swap_out_partitioned_parameters`` writes the sub-group's 16-bit partition on the
       compute stream (the step's copy of the updated master);
+    - ``_post_step`` (the step's loop is over) all-gathers the persistent parameters on the compute
+      stream: it reads the 16-bit partitions of the sub-groups that hold them, before the next forward;
     - a speculated update reads its sub-group's gradient partitions (``speculation/compute.py``'s ``_fp32_grad``, on the
       side stream). A parameter reduced again after its sub-group's update read its partition voids
       that update (``Speculation.discard``): those reads no longer count, their result is dropped;
@@ -298,11 +300,23 @@ def declare_deepspeed(mode):
 
         return call
 
+    def post_step(orig):  # its all-gather of the persistent parameters reads their 16-bit partitions
+
+        def call(*args, **kwargs):
+            persistent = {id(p) for p in getattr(opt, "persistent_parameters", ())}
+            for i, params in enumerate(opt.fp16_groups):
+                if flats[i] is not None and any(id(p) in persistent for p in params):
+                    order.access(flats[i], write=False)
+            return orig(*args, **kwargs)
+
+        return call
+
     wrap(MANGLED + "add_grad_to_ipg_bucket", add_grad)
     wrap(MANGLED + "reduce_and_partition_ipg_grads", on_reduction_stream)
     wrap("partition_grads", partition_grads)
     wrap("independent_gradient_partition_epilogue", epilogue)
     wrap("_reassign_or_swap_out_partitioned_parameters", reassign)
+    wrap("_post_step", post_step)
 
     def forward_reads(module, args):
         for flat in flats:

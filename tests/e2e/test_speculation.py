@@ -68,14 +68,22 @@ CASES = {
     # the same after an fp32 master was written at that step (safe_set_full_fp32_param): its 16-bit
     # partition is not its master's cast until a step applies, so nothing settles at the skipped step
     "fp32_written_skips": dict(clip=HUGE, overflow_step=3, set_fp32_at=[3], steps=6),
+    # ... and where that step applies: its updates commit with their casts unsettled, copied into the
+    # 16-bit partitions on the side stream as DeepSpeed's loop reaches each sub-group; the step's end joins
+    # that stream before DeepSpeed's _post_step all-gathers the persistent parameters from them
+    "fp32_written_commits": dict(clip=HUGE, set_fp32_at=[3], steps=6),
     # fp16: the dynamic loss scale doubles every second step (window 2) and an overflow skips step 3
     "fp16_scale_moves": dict(dtype="fp16", clip=HUGE, overflow_step=3, steps=7, backoff=0),
+    # a hand-written learning-rate schedule: the rate set between backward and the step (steps 2 and 4),
+    # after the updates in backward used the old one: the step discards them and runs with the new rate
+    "lr_set_before_step": dict(clip=HUGE, backoff=0, lr_before_step={"2": 3e-3, "4": 1e-4}),
     # the fp32 parameters and Adam's moments read between backward and the step: the state before the
     # updates, as plain ZeRO-3's (updates written over the host store are discarded first)
     "state_read": dict(clip=HUGE, read_state_at=[2, 4]),
 }
 # the cases whose variants also speculate with second regions for a few sub-groups only
 FROM_DEVICE_CASES = ("never_clips", "clips_on_odd_steps", "early_cap", "reentrant_tied", "gradient_written",
+                     "lr_set_before_step",
                      "fp16_scale_moves", "state_read", "nonfinite_skips", "fp32_written_skips")
 
 
@@ -176,6 +184,9 @@ def test_speculation_parity(case_runs, case):
             assert c["commit_steps"] == steps - 1 and c["committed"] == c["speculated"] - 2, c
             assert [s["discarded"] for s in per_step] == [0, 2, 0, 0, 0, 0], per_step
             assert all(s["committed"] == len(c["members"]) - 2 for s in per_step[3:]), per_step
+        elif case == "lr_set_before_step":
+            assert c["reasons"] == {"hyper-parameters": 2} and c["committed"] > 0, c
+            assert [s["discarded"] > 0 for s in per_step] == [False, False, True, False, True, False], per_step
         elif case == "gradient_written":
             assert c["reasons"] == {"gradient written": 2} and c["committed"] > 0, c
         elif case == "state_read":
@@ -188,6 +199,8 @@ def test_speculation_parity(case_runs, case):
         elif case == "fp16_scale_moves":
             assert c["committed"] > 0 and c["discarded"] > 0, c  # scale changes and the overflow roll back
             assert c["settled"] == 0, c  # fp16 settles nothing early (its scale skips steps)
+        elif case == "fp32_written_commits":
+            assert c["reasons"] == {} and c["committed"] > c["settled"] > 0, c  # step 3 committed unsettled
         elif case == "fp32_written_skips":
             assert c["reasons"] == {"overflow": 1} and c["unsettled"] == 0, c
             assert c["settled"] == c["committed"] > 0, c

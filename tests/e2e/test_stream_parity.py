@@ -395,6 +395,55 @@ def test_the_measured_plan_takes_state_back_when_reload_states_returns_memory(tm
 
 
 @needs_two_ranks
+def test_a_take_back_given_straight_back_waits_for_its_own_copies(tmp_path):
+    """The plan takes everything back after step 3, and step 4's input is the larger one: the give-back
+    before its forward reads the state the take-back put on the device before any backward launched
+    its copies. The move's drain lands them first (without it the host regions get what the new device
+    tensors held: the losses turn NaN). Bitwise equal to plain ZeRO-3."""
+    offload = dict(OFFLOAD, memory_budget_gb=None, overlap_memory_gb=1e-3)
+    spec = dict(FOLLOW, batch_by_step=[4] * 3 + [16] * 2 + [4] * 7)
+    out = launch(dict(spec, variants=[{"api": "deepspeed"}, {"offload": offload}, {"offload": offload,
+                                                                                  "copies": "deferred"}]),
+                 tmp_path, "straight_back")
+    plain, ours, deferred = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    assert_bitwise_equal(plain, deferred)
+    n = len(ours["handle"]["order"]) + len(ours["handle"]["resident"])
+    assert [p["resident"] for p in ours["plan"]][:4] == [0, 0, n, 0], ours["plan"]
+    assert ours["plan"][3]["moves"] == (1, 1, 0), ours["plan"]  # taken back, then given back
+
+
+@needs_two_ranks
+def test_a_take_back_out_of_memory_on_one_rank_is_undone_there_and_every_rank_trains_on(tmp_path):
+    """The FOLLOW schedule; the take-back after step 3 runs out of memory on rank 1 alone: that rank's
+    move is undone (its state where it was, its plan's bookkeeping unchanged), rank 0's lands, no rank
+    waits for the other, and every later step is bitwise plain ZeRO-3's; rank 1 takes the state back
+    at a later decision. Any other failure in a move is raised on both ranks as the same MoveError."""
+    offload = dict(OFFLOAD, memory_budget_gb=None, overlap_memory_gb=1e-3)
+    oom = {"offload": offload, "move_faults": [{"rank": 1, "after_step": 2, "error": "oom"}]}
+    other = {"offload": offload, "move_faults": [{"rank": 1, "after_step": 2, "error": "runtime"}]}
+    out = launch(dict(FOLLOW, log_info=True, variants=[{"api": "deepspeed"}, oom, other]), tmp_path, "move_faults",
+                 shared=True)
+    plain, ours, failed = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    n = len(ours["handle"]["order"]) + len(ours["handle"]["resident"])
+    first, second = ours["plan_by_rank"]
+    assert [p["resident"] for p in first][:4] == [0, 0, n, n], first
+    assert [p["resident"] for p in second][:3] == [0, 0, 0], second  # undone after step 3
+    assert second[2]["moves"] == (0, 0, 1) and first[2]["moves"] == (0, 1, 0)
+    assert second[-1]["resident"] == n and second[-1]["moves"][1] >= 1, second  # taken back later
+    assert ours["step_stats"][-1]["moves_failed"] == 0 and ours["step_stats"][-1]["take_backs"] >= 2
+    log = (tmp_path / "move_faults.log").read_text()
+    assert "rank 1: take-back after step 3" in log and "undone, the state stays where it was" in log, log[-3000:]
+    assert "CUDA out of memory (injected into a take-back)" in log
+    # any other failure: the same exception on both ranks (each variant's errors are gathered per rank)
+    for rank in (0, 1):
+        assert f"rank {rank}: MoveError: deepspeed-offload: a move of optimizer state failed" in failed["error"], \
+            failed["error"][:3000]
+    assert "rank 1: RuntimeError: injected failure in a take-back" in failed["error"]
+
+
+@needs_two_ranks
 def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
     out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path,
                  "abort")

@@ -152,7 +152,7 @@ def test_a_step_with_time_to_spare_unpins_everything(fake_host, monkeypatch):
 
 
 def test_running_out_of_memory_while_allocating_leaves_every_tensor_where_it_was(fake_host, monkeypatch):
-    """resplit allocates first: out of memory half way (near the limit) changes nothing."""
+    """A move allocates first (its prepare): out of memory half way (near the limit) changes nothing."""
     mode, masters, pinner, _ = make_mode(fake_host, monkeypatch)
     real_empty, made = torch.empty, []
 

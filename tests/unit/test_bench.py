@@ -958,6 +958,7 @@ def test_the_plan_record_reads_the_measured_plan_it_runs_with():
     plan = MeasuredPlan(limit=80 * gib, margin=2 * gib)
     promote, back = plan.decide(60 * gib, [3, 4, 5], lambda i: 4 * gib, resident_bytes=12 * gib)
     assert promote == [3, 4, 5] and back == []
+    plan.landed(promote, back)  # (the move landed: runtime/step/moves.py)
     plan.held_back = gib // 2
     handle = SimpleNamespace(probe=SimpleNamespace(resident_bytes=lambda n: n * 4 * gib), resident=[0, 1, 2, 3, 4, 5],
                              layout=SimpleNamespace(nbytes={6: 4 * gib}), order=[6], plan=plan,

@@ -96,9 +96,13 @@ def test_the_measured_plan_keeps_what_fits_and_gives_back_when_an_iteration_grow
     assert plan.margin == int(0.03 * 140 * GiB)
     promote, back = plan.decide(80 * GiB, list(range(3, 10)), nbytes)
     assert promote == [3, 4, 5, 6, 7] and back == []  # 55.8 GiB of room: five sub-groups of 10
+    assert plan.promoted == []  # decided, not landed: the bookkeeping waits for the move
+    plan.landed(promote, [])
+    assert plan.promoted == [3, 4, 5, 6, 7]
     assert plan.after_step(130 * GiB, nbytes) == []  # within the margin's half
     back = plan.after_step(138 * GiB, nbytes)  # 3.9 GiB into the margin: give back the excess and half the margin
     assert back == [7] and plan.give_backs == 1 and plan.margin > margin_bytes(140 * GiB)
+    plan.landed([], back)
     promote, back = plan.decide(145 * GiB, [7, 8, 9], nbytes)  # measured again: over the limit
     assert promote == [] and back == [6, 5]  # (the margin, widened by the give-back, is kept free too)
 
@@ -119,13 +123,16 @@ def test_the_plan_settles_where_the_allocator_reserves_more_than_the_state():
         return peak_without + len(plan.promoted) * sub + overhead
 
     promote, _ = plan.decide(int(130.59 * GiB), streamed, nbytes)
+    plan.landed(promote, [])
     moves = 1
     for _ in range(12):
         back = plan.after_step(iteration(int(130.59 * GiB) - overhead), nbytes)
         if back:
+            plan.landed([], back)
             moves += 1
             promote, _ = plan.decide(iteration(int(130.59 * GiB) - overhead) - len(plan.promoted) * sub,
                                                 streamed[len(plan.promoted):], nbytes)
+            plan.landed(promote, [])
     assert plan.give_backs <= 2 and moves <= 3, (plan.give_backs, moves)
     assert iteration(int(130.59 * GiB) - overhead) <= limit - plan.margin // 2
 
@@ -180,7 +187,9 @@ class _Mode:
             self.timing.measurements += 1
             self.timing.measuring = False
         k = self.plan.between_steps(self, type("Step", (), {"input_numel": 0})())
-        if k is not None:
+        if k is not None:  # the move lands (runtime/step/moves.py): then the plan counts it
+            old = len(self.resident)
+            self.plan.landed(list(range(old, k)), list(range(k, old)))
             self.resident = list(range(k))
         return k
 

@@ -1,6 +1,6 @@
 """Sub-groups the measured plan made resident, while their state travels to the device.
 
-A switch to resident (``resplit.py``) moves many sub-groups at once (75 GiB on a 7B, the first time
+A switch to resident (a take-back, ``runtime/step/moves.py``) moves many sub-groups at once (75 GiB on a 7B, the first time
 the plan measures). Copied and unpinned inside the step that decided it, that costs the step seconds
 (the copies, then ``cudaHostUnregister`` and ``MADV_DONTNEED`` of every slab). ``Arrival`` takes it out
 of the step; a switch goes through these phases::
@@ -75,7 +75,7 @@ class Arrival:
 
     def allocate(self, sub_groups: List[int]) -> "Switch":
         """Device tensors for the state of ``sub_groups``, nothing else changed: a failure (out of
-        memory near the limit) leaves every tensor where it was. ``resplit`` calls it before it moves
+        memory near the limit) leaves every tensor where it was. the move calls it in its prepare, before it moves
         anything, and ``start`` once it has."""
         mode = self.mode
         device = mode.acc.current_device_name()

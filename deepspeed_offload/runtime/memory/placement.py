@@ -25,7 +25,8 @@ give way instead: ``held_back`` bytes come off what they may hold (``LoadTiming.
 the iteration of overlap off, which the measurement showed fits), until the inputs shrink or memory
 comes back. When it makes room after an iteration (either way) and free pieces of the caching
 allocator's segments made the difference, without ``expandable_segments``, it says once how to change
-that. ``resplit.py`` moves the state; this module only decides. What remains: a first iteration
+that. ``runtime/step/moves.py`` moves the state, and tells the plan what landed (``landed``) or
+failed (``move_failed``); this module only decides, and ``promoted`` counts what landed. What remains: a first iteration
 larger than the device allows (nothing has been measured yet), and an input whose need grows faster
 than the fit's power of two.
 """
@@ -62,7 +63,8 @@ class MeasuredPlan:
     ``margin``: what the plan leaves free below it (bytes)."""
     limit: int
     margin: int
-    promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident, in step order
+    promoted: List[int] = field(default_factory=list)  # sub-groups this plan made resident (landed), in step order
+    reason: str = ""  # why the last decision moves state (the move's log line)
     decided_peak: Optional[int] = None  # the reserved peak the last decision was made on
     iteration: Optional[int] = None  # ... less the state resident then: what the iteration needs besides it
     give_backs: int = 0  # iterations after which state went back to the host
@@ -91,9 +93,7 @@ class MeasuredPlan:
             return [], self._make_room(-room, nbytes)
         if self.held_back:
             return [], []  # what holding the early loads back freed is theirs, not the state's
-        out = fitting_prefix(streamed, nbytes, room)
-        self.promoted += out
-        return out, []
+        return fitting_prefix(streamed, nbytes, room), []
 
     def between_steps(self, mode, step) -> Optional[int]:
         """After ``step`` of ``mode`` (stream mode) was applied: learn what it needed beside the state,
@@ -146,8 +146,25 @@ class MeasuredPlan:
             mode.memory.empty_cache()  # what goes back is the device's again
             mode.timing.remeasure()
         if decided or give_back or self.held_back != held_back:
-            self._log(mode, resident + len(promote) - len(give_back))
+            self._log(mode, resident + len(promote) - len(give_back), len(self.promoted) + len(promote) - len(give_back))
+        self.reason = f"after step {getattr(step, 'index', '?')}" + (
+            " (the iteration after a measurement)" if decided else " (the iteration reserved more than planned)")
         return resident + len(promote) - len(give_back) if promote or give_back else None
+
+    def landed(self, to_device: Sequence[int], to_host: Sequence[int]):
+        """A move landed (``runtime/step/moves.py``): ``to_device`` made resident, ``to_host`` streamed
+        again. The one place ``promoted`` changes."""
+        gone = set(to_host)
+        self.promoted = [i for i in self.promoted if i not in gone] + [i for i in to_device if i not in self.promoted]
+
+    def move_failed(self, mode, nbytes: int):
+        """This rank's move of ``nbytes`` of state was undone: the device could not give it that memory
+        although the measurement left room (fragmentation, or another process took it). The margin
+        widens by it (at most a quarter of the limit), and the next iteration is measured on an empty
+        cache before the plan decides again."""
+        self.margin = min(self.margin + nbytes, self.limit // 4)
+        mode.memory.empty_cache()
+        mode.timing.remeasure()
 
     def memory_returned(self, mode):
         """Device memory came back (``reload_states()`` after a rollout): with the limit derived, it is
@@ -180,10 +197,8 @@ class MeasuredPlan:
             return None
         self.give_backs += 1
         mode.timing.remeasure()  # the allowances were for smaller iterations
-        log_dist(f"[deepspeed-offload] measured plan: an input of {numel:,} elements (larger than planned for) needs "
-                 f"about {format_bytes(need)} beside the state; {len(out)} sub-groups "
-                 f"({format_bytes(sum(mode.probe.nbytes(i) for i in out))}) go back to the host before its "
-                 f"forward, {resident - len(out)} stay resident", ranks=[0])
+        self.reason = (f"before a forward of {numel:,} input elements, larger than planned for (about "
+                       f"{format_bytes(need)} needed beside the state)")
         return resident - len(out)
 
     def _allocator_hint(self, reserved: int, peak_allocated: int):
@@ -201,12 +216,12 @@ class MeasuredPlan:
                  "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (docs/troubleshooting.md)",
                  ranks=[0], level=logging.WARNING)
 
-    def _log(self, mode, resident: int):
+    def _log(self, mode, resident: int, made: int):
         limit = "max_device_memory_gb" if mode.cfg.max_device_memory_gb is not None else \
             "what this process could have of the device"
         streamed = mode.probe.total - mode.probe.resident_bytes(resident)
         log_dist(f"[deepspeed-offload] measured plan: {format_bytes(mode.probe.resident_bytes(resident))} of "
-                 f"optimizer state resident ({resident} sub-groups, {len(self.promoted)} of them since the "
+                 f"optimizer state resident ({resident} sub-groups, {made} of them since the "
                  f"measurement), {format_bytes(streamed)} streamed; the iteration decided on: "
                  f"{format_bytes(self.decided_peak or 0)} reserved, {format_bytes(self.iteration or 0)} of it besides "
                  f"the state (deepspeed-offload estimate --iteration-memory-gb {(self.iteration or 0) / GiB:.1f} "
@@ -237,9 +252,12 @@ class MeasuredPlan:
         return out
 
     def _give_back(self, nbytes_needed: int, nbytes: Callable[[int], int]) -> List[int]:
+        """The last sub-groups made resident that cover ``nbytes_needed`` (``promoted`` changes when the
+        move lands)."""
         out, freed = [], 0
-        while self.promoted and freed < nbytes_needed:
-            i = self.promoted.pop()
+        for i in reversed(self.promoted):
+            if freed >= nbytes_needed:
+                break
             out.append(i)
             freed += nbytes(i)
         return out

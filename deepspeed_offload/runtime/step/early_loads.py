@@ -21,7 +21,7 @@ class EarlyLoads:
         self.next = 0  # position in ``order`` of the next sub-group to load
 
     def reset(self):
-        """The split changed (``resplit``): the step's order is the new one."""
+        """The split changed (``moves.py``): the step's order is the new one."""
         self.order, self.next = self.mode.order, 0
 
     def backward_begins(self, boundary: bool):

@@ -12,6 +12,7 @@ from deepspeed.utils import log_dist
 
 from ...handle import HANDLE_ATTR
 from ...host_memory import format_bytes
+from .. import agreement
 from ..attach import Placement, fault_point
 from ..checkpoint import ALIGN, AsyncCheckpointer
 from ..colocation.offload_states import StateOffload
@@ -29,6 +30,7 @@ from . import hooks
 from .early_loads import EarlyLoads
 from .grad_norm import GroupNorms
 from .load_timing import LoadTiming
+from .moves import Moves
 
 
 def build(mode, placement: Placement, early_in_backward: bool):
@@ -38,7 +40,8 @@ def build(mode, placement: Placement, early_in_backward: bool):
     fault_point("pinning")
     mode.table = ResidencyTable(mode.store, mode.copies, mode.order, mode.layout.slot_numel)
     mode.memory = DeviceMemory(mode.acc)
-    mode.arrival = Arrival(mode)  # sub-groups the measured plan makes resident, on their way (resplit.py)
+    mode.arrival = Arrival(mode)  # sub-groups the measured plan makes resident, on their way (moves.py)
+    mode.moves = Moves(mode)  # the one place the split changes after attach
     mode.timing = LoadTiming(mode.memory, mode.copies.synchronous, mode.slot_bytes,
                              early_in_backward=cfg.overlap and early_in_backward, prefetch=cfg.prefetch,
                              early_cap=None if cfg.overlap_memory_gb is None else int(cfg.overlap_memory_gb * 2**30))
@@ -71,6 +74,7 @@ def measure_with(mode, memory: DeviceMemory):
     mode.timing.synchronous = False
     limit = device_limit(memory, mode.cfg.max_device_memory_gb)
     mode.plan, mode.timing.measure_always = MeasuredPlan(limit=limit, margin=margin_bytes(limit)), True
+    agreement.cpu_group()  # the moves agree over it at every step and forward (made here: on every rank)
     allocator.hold_for(mode)  # the plan reads reserved memory: no free pieces of segments in it
 
 

@@ -7,6 +7,8 @@ The keys of ``step_stats()``: ``bytes_h2d`` / ``bytes_d2h`` (state copied to / f
 (updated by the step itself), ``committed`` (updated in backward, taken by the step: ``sub_groups +
 committed == offloaded``), ``speculated`` / ``discarded`` (updated in backward / rolled back),
 ``settled`` (of the speculated, the casts written into their 16-bit partitions as the step began),
+``give_backs`` / ``take_backs`` / ``moves_failed`` (the measured plan's moves since attach that landed
+with state going back to the host / made resident, and those undone: ``moves.py``),
 ``loaded_early`` (in backward), ``loaded_in_step`` (in the step, ``loaded_at_entry`` of them while
 DeepSpeed computed the norm; ``bytes_in_step`` of ``bytes_h2d``: what the step itself waits to move),
 ``h2d_wait_s`` (the compute stream waiting for loads: exposed copy time), ``update_s``, ``d2h_s``
@@ -46,6 +48,7 @@ class StepStats:
         self.committed = 0  # ... whose update the step took
         self.discarded = 0  # ... and dropped (clipping, overflow)
         self.settled = 0  # ... whose casts went into their 16-bit partitions as the step began
+        self.moves = (0, 0, 0)  # give-backs, take-backs and failed moves since attach (moves.py)
         self._spans: Dict[str, List] = {kind: [] for kind in self.KINDS}
 
     def loaded(self, nbytes: int, early: bool, span):
@@ -71,7 +74,8 @@ class StepStats:
                "bytes_in_step": self.bytes_in_step,
                "loaded_at_entry": self.loaded_at_entry,
                "speculated": self.speculated, "committed": self.committed, "discarded": self.discarded,
-               "settled": self.settled}
+               "settled": self.settled, "give_backs": self.moves[0], "take_backs": self.moves[1],
+               "moves_failed": self.moves[2]}
         for kind, spans in self._spans.items():
             out[f"{kind}_s"] = sum(self.copies.elapsed(a, b) for a, b in spans)
         return out

@@ -13,7 +13,7 @@ partition, ``_release_sub_group``. We wrap the first and the last of these and l
 between to DeepSpeed, so the update is DeepSpeed's own, bit for bit. One iteration, ``overlap`` on::
 
     forward:    ``forward_begins``: the measured plan may give state back before an input larger than
-                it planned for runs (``memory/placement.py``)
+                it planned for runs (``memory/placement.py``; the move: ``moves.py``)
     backward:   offloaded sub-groups load into buffers of their own as far as ``LoadTiming`` allows
                 without raising the iteration's peak; with speculation, each one whose gradient is
                 final is updated there (``early_loads.py``, ``speculation/``)
@@ -30,7 +30,7 @@ between to DeepSpeed, so the update is DeepSpeed's own, bit for bit. One iterati
                 ``_post_step``) the CPU waits for every write-back: between steps the device holds
                 none of the offloaded state
     after:      ``step_applied`` and ``between_steps`` (``StepLifecycle.close``, once per step): the
-                statistics, the measured plan's moves (``resplit``, ``arrival.py``)
+                statistics, the measured plan's moves (``moves.py``, ``arrival.py``)
 
 With ``overlap`` off, nothing loads in backward except (``prefetch``) the first sub-groups into the
 slots. DeepSpeed's tensor objects never change; only their ``.data`` moves. Nothing in the loop
@@ -49,7 +49,6 @@ from ..attach import Placement
 from ..memory.iteration_memory import DeviceMemory
 from ..memory.layout import Probe, probe_layout
 from ..memory.residency import Phase
-from ..memory.resplit import resplit
 from ..patches import PatchRegistry
 from ..staging.copies import make_copies
 from . import setup
@@ -136,10 +135,9 @@ class StreamMode:
         step's first opens the window of its peak (``DeviceMemory``); where the measured plan expects the
         iteration not to fit beside the resident state, state goes back to the host before it runs."""
         first = self.lifecycle.current is None or not self.lifecycle.current.input_numel
-        if self.plan is not None and not self._in_step:
+        if self.plan is not None and not self._in_step:  # (every rank: the move agrees)
             k = self.plan.before_forward(self, numel)
-            if k is not None:
-                resplit(self, k)
+            if self.moves.carry_out(k, self.plan.reason):  # (a give-back: it only makes room)
                 self.memory.empty_cache()  # what went back is the device's again
             if first:
                 self.forward_level = self.memory.open_window()
@@ -309,6 +307,7 @@ class StreamMode:
         stats.offloaded = len(self.order)
         stats.resident = len(self.resident)
         stats.step_s, stats.iteration_s, stats.input_numel = step.step_s, step.iteration_s, step.input_numel
+        stats.moves = (self.moves.give_backs, self.moves.take_backs, self.moves.failed)
         self.last_stats, self.stats = stats, None
         stats.log_every(self.engine, step.index, self.store.pinned_bytes, self.memory)
 
@@ -352,10 +351,8 @@ class StreamMode:
 
     def between_steps(self, step: Step):
         """After an applied step: the measured plan's moves; copy events that landed forgotten."""
-        if self.plan is not None:
-            k = self.plan.between_steps(self, step)
-            if k is not None:
-                resplit(self, k)
+        if self.plan is not None:  # (every rank: the move agrees)
+            self.moves.carry_out(self.plan.between_steps(self, step), self.plan.reason)
         self.arrival.between_steps(step.iteration_s)  # what it made resident: unpinned, a little a step
         self.forward_level = None
         self.table.prune_in_flight()
