@@ -31,12 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RES, STREAM, SPEC, HOOKS = ("deepspeed_offload/runtime/memory/residency.py", "deepspeed_offload/runtime/step/stream.py",
                             "deepspeed_offload/runtime/speculation/updates.py", "deepspeed_offload/runtime/step/hooks.py")
 UPDATE = "deepspeed_offload/runtime/speculation/compute.py"
+MOVES = "deepspeed_offload/runtime/step/moves.py"
 UNIT = "tests/unit/test_residency.py"
 # (fails in every copy, by design: it wants each wait's text in the source)
 LISTED = "tests/unit/test_residency.py::test_the_list_of_waits_removed_one_at_a_time_is_the_source_s"
 PARITY = "tests/e2e/test_stream_parity.py::test_parity_two_ranks"
 COMPILE = "tests/e2e/test_stream_parity.py::test_compile_mode_runtime_parity"
 SPECULATION = "tests/e2e/test_speculation.py::test_speculation_parity"
+STRAIGHT_BACK = "tests/e2e/test_stream_parity.py::test_a_take_back_given_straight_back_waits_for_its_own_copies"
 
 
 @dataclass
@@ -103,6 +105,17 @@ WAITS = [
     Wait("update.kept_ready", UPDATE, "mode.copies.compute_waits(kept_ready)", "pass",
          "an update's device copy of the state before it waits for that copy's allocation (implied by "
          "cast_ready)", (SPECULATION, )),
+    Wait("move.drain", MOVES, "mode.synchronize_for_checkpoint()  # every write-back landed",
+         "pass  # every write-back landed", "a move's prepare: every write-back and every earlier switch's "
+         "copies landed (a take-back given straight back would copy empty device tensors to the host)",
+         (STRAIGHT_BACK, )),
+    Wait("post_step.updates_done", HOOKS, "mode.lifecycle.updates_done()\n        return orig(*args, **kwargs)",
+         "result = orig(*args, **kwargs)\n        mode.lifecycle.updates_done()\n        return result",
+         "the step's end (the join of the commits' copies) before DeepSpeed's _post_step, whose all-gather "
+         "of the persistent parameters reads the 16-bit partitions", (SPECULATION, )),
+    Wait("decide.hyper_parameters", SPEC, 'why = "hyper-parameters"', "why = None",
+         "updates from backward are discarded when the hyper-parameters changed before the step (a "
+         "hand-written schedule)", (SPECULATION, )),
     Wait("restore.written", RES, "waits=(r.written, )", "waits=()",
          "a rollback's copy of the state before over the host region after the update's write-back (on a "
          "GPU the D2H stream's order keeps it too)", (UNIT, SPECULATION)),
