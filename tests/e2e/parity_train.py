@@ -265,6 +265,21 @@ def install_move_faults(engine, faults):
     handle.arrival.allocate = failing
 
 
+def install_early_load_fault(engine, fault):
+    """An early load's allocation (buffers of its own, in backward) out of device memory on rank
+    ``fault["rank"]``, once, in the backward of step ``fault["step"]`` (0-based)."""
+    handle, rank = deepspeed_offload.get_handle(engine), deepspeed.comm.get_rank()
+    alloc, left = handle.copies.alloc, [1 if fault["rank"] == rank else 0]
+
+    def failing(*args, **kwargs):
+        if left[0] and handle.lifecycle.applied == fault["step"] and not handle.in_step:
+            left[0] = 0
+            raise torch.OutOfMemoryError("CUDA out of memory (injected into an early load)")
+        return alloc(*args, **kwargs)
+
+    handle.copies.alloc = failing
+
+
 def abort_step(engine, fail_at=None):
     """Make the update of the second sub-group raise (or of sub-group ``fail_at``: "first_kept", the
     first that compile mode keeps on the device), and report what the step left behind: whether every
@@ -721,6 +736,8 @@ def train_with(spec):
         handle.measure_with(DeviceMemory(scripted))
         handle.plan.margin = s["margin"]
         handle.plan.recent = deque(maxlen=s["recent"])
+    if spec.get("early_load_fault") and deepspeed_offload.get_handle(engine) is not None:
+        install_early_load_fault(engine, spec["early_load_fault"])
     if spec.get("move_faults") and deepspeed_offload.get_handle(engine) is not None:
         install_move_faults(engine, spec["move_faults"])
     if spec.get("force_commit"):  # the negative control: updates from backward committed without the norm check
@@ -936,6 +953,10 @@ def train_with(spec):
             result_extra.setdefault("colocation", []).append(colocation_cycle(engine, spec, step))
 
     deepspeed_offload.wait_for_checkpoint(engine)
+    timing = getattr(deepspeed_offload.get_handle(engine), "timing", None)
+    if spec.get("early_load_fault") and timing is not None:  # every rank's
+        result_extra["early_oom_by_rank"] = [None] * deepspeed.comm.get_world_size()
+        torch.distributed.all_gather_object(result_extra["early_oom_by_rank"], timing.out_of_memory_stops)
     if result_extra.get("plan"):  # every rank's (each rank places its own state)
         result_extra["plan_by_rank"] = [None] * deepspeed.comm.get_world_size()
         torch.distributed.all_gather_object(result_extra["plan_by_rank"], result_extra["plan"])

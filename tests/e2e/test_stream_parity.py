@@ -444,6 +444,23 @@ def test_a_take_back_out_of_memory_on_one_rank_is_undone_there_and_every_rank_tr
 
 
 @needs_two_ranks
+def test_an_early_load_out_of_memory_on_one_rank_gives_way_and_every_rank_trains_on(tmp_path):
+    """Step 3's backward on rank 1: an early load finds no device memory. What that rank's early loads
+    and updates in backward held goes back, nothing more loads in that backward, the step streams the
+    rest; no rank waits for the other, and training is bitwise plain ZeRO-3's (with speculation, and
+    deferred copies)."""
+    fault = {"early_load_fault": {"rank": 1, "step": 3}}
+    out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=6, variants=[
+        {"api": "deepspeed"}, dict(fault, offload=OFFLOAD), dict(fault, offload=OFFLOAD, copies="deferred")]),
+        tmp_path, "early_oom")
+    plain, ours, deferred = out["variants"]
+    assert_bitwise_equal(plain, ours)
+    assert_bitwise_equal(plain, deferred)
+    assert ours["early_oom_by_rank"] == [0, 1] and deferred["early_oom_by_rank"] == [0, 1]
+    assert deferred["handle"]["violations"] == 0, deferred["handle"]["first_violations"]
+
+
+@needs_two_ranks
 def test_a_step_that_raises_leaves_the_store_consistent(tmp_path):
     out = launch(dict(CASES["one_param_per_sub_group"]["spec"], steps=5, abort_at=2, offload=OFFLOAD), tmp_path,
                  "abort")

@@ -113,6 +113,33 @@ def test_illegal_verbs_are_refused_by_the_table():
         t.unload(0)  # updated state cannot be dropped: it must be written back
 
 
+def test_a_load_that_finds_no_device_memory_changes_nothing():
+    """An early load (buffers of its own) or a load into the slots whose allocation runs out of memory
+    raises before anything moved: the sub-group is still on the host, nothing is held, no slot half
+    made, and it loads as usual afterwards (the early loads give way: step/early_loads.py)."""
+
+    class Full(RecordingCopies):
+        full = True
+
+        def alloc(self, numel, **kwargs):
+            if self.full:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return super().alloc(numel)
+
+    t = make_table(Full())
+    with pytest.raises(torch.OutOfMemoryError):
+        t.load(0)
+    assert t[0].phase is Phase.ON_HOST and t.early_bytes == 0 and t.held_early() == 0
+    t.plan([1, 2])
+    with pytest.raises(torch.OutOfMemoryError):
+        t.load(1, staged=True)
+    assert t[1].phase is Phase.ON_HOST and t.slots is None
+    t.copies.full = False
+    t.load(0)
+    t.load(1, staged=True)
+    assert t[0].phase is t[1].phase is Phase.LOADING and t.slots is not None
+
+
 def test_a_kept_sub_group_is_updated_again_and_never_dropped():
     """Compile mode keeps an updated sub-group on the device: the next step brings it in from
     UPDATED, and until it is written back its device copy is the only newest one."""

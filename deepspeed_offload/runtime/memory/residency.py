@@ -158,9 +158,9 @@ class ResidencyTable:
             r.move(Phase.LOADING)
             slot, bufs, destination = self.staging.take(i)
         else:
+            bufs, ready = self.copies.alloc(self.store.region_numel(i))  # first: out of memory changes nothing
             r.move(Phase.LOADING)
             slot = None
-            bufs, ready = self.copies.alloc(self.store.region_numel(i))
             self.holds.took(self.store_bytes(i))
             destination = (ready, )
         r.buffers, r.slot = bufs, slot

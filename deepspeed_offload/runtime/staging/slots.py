@@ -101,11 +101,8 @@ class StagingSlots:
         """Both slots, from the compute stream's pool, unless they exist (at the first load into one)."""
         if self.buffers is not None:
             return
-        self.buffers, self.ready = [], []
-        for _ in range(2):
-            bufs, ready = self.copies.alloc(self.slot_numel)
-            self.buffers.append(bufs)
-            self.ready.append(ready)
+        made = [self.copies.alloc(self.slot_numel) for _ in range(2)]  # (out of memory: no slot made)
+        self.buffers, self.ready = [bufs for bufs, _ in made], [ready for _, ready in made]
 
     def take(self, i: int):
         """Sub-group ``i`` moves into its place (allocated, free: ``busy`` says so). Returns its slot, its

@@ -5,12 +5,17 @@ the sub-groups the step will update load ahead of it, as far as ``LoadTiming`` a
 raising the iteration's peak: speculation's members first (in the order their gradients became
 final last time, so each arrives about when it can be updated), then the step's order; and as the
 step begins, the step's first ones the slots do not take (``at_step_entry``). A backward
-that differs from the measured one unloads what was loaded (``LoadTiming.take_divergence``).
+that differs from the measured one unloads what was loaded (``LoadTiming.take_divergence``), and so
+does one where the device could not give an early load or an update its memory (``out_of_memory``):
+backward goes on with that memory back, and the step loads the rest as it would without them.
 Stream mode owns one of these; compile mode places its loads from its graphs instead.
 """
 
 import math
 from typing import List, Optional
+
+import torch
+from deepspeed.utils import logger
 
 
 class EarlyLoads:
@@ -33,7 +38,10 @@ class EarlyLoads:
             speculates = mode.speculation.backward_begins(boundary)
             self.order = mode.speculation.early_order(mode.order) if speculates else mode.order
         if mode.timing.backward_begins(boundary) and not mode.in_step:
-            mode.prefetch_into_slots(mode.timing.prefetch_order(mode.stream_order()), early=True)
+            try:
+                mode.prefetch_into_slots(mode.timing.prefetch_order(mode.stream_order()), early=True)
+            except torch.OutOfMemoryError as e:
+                self.out_of_memory(e)
             # the table allocates both slots at its first load into one: held from here to the step
             mode.timing.prefetched(2 * mode.slot_bytes if mode.table.slots is not None else 0)
         if mode.timing.take_divergence():
@@ -48,10 +56,24 @@ class EarlyLoads:
         if mode.timing.take_divergence():
             self.give_back()
             return
-        if allowance is not None and self.next < len(self.order):
-            self.load(allowance)
-        if mode.speculation is not None:
-            mode.speculation.run()
+        try:
+            if allowance is not None and self.next < len(self.order):
+                self.load(allowance)
+            if mode.speculation is not None:
+                mode.speculation.run()
+        except torch.OutOfMemoryError as e:
+            self.out_of_memory(e)
+
+    def out_of_memory(self, error: BaseException):
+        """An early load or an update in backward found no device memory (the allocator's pieces, or
+        another process, left less than the measurement): what they hold goes back at once (the state
+        it was loaded from is current), nothing more loads in this backward, and the next iteration is
+        measured again. Training goes on as without early loads; no rank waits for this one."""
+        self.mode.timing.out_of_memory()
+        self.give_back()
+        if self.mode.timing.out_of_memory_stops == 1:
+            logger.warning(f"[deepspeed-offload] an early load in backward ran out of device memory ({error}); "
+                           "what the early loads held went back, and the next iteration is measured again")
 
     def give_back(self):
         """This backward differs from the measured one: what the early loads and the updates hold
@@ -103,7 +125,11 @@ class EarlyLoads:
                 continue
             if held + mode.layout.nbytes[i] > room:
                 break
-            mode.load(i, staged=False, early=False)
+            try:
+                mode.load(i, staged=False, early=False)
+            except torch.OutOfMemoryError:
+                mode.timing.out_of_memory()  # (the step loads it, and the rest, through the slots)
+                break
             held += mode.layout.nbytes[i]
             n += 1
         return n

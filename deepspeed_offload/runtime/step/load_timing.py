@@ -84,6 +84,7 @@ class LoadTiming:
         self.level_tolerance = LEVEL_TOLERANCE
         self.measurements = 0  # measurements finished
         self.divergences = 0  # boundary backwards that differed from the measured one
+        self.out_of_memory_stops = 0  # ... or where an early load found no device memory
         self._measuring = False
         self._intervals: List[int] = []  # the measured iteration's peaks between its hooks
         self._prefetched = 0  # bytes it holds in the slots from its backward's start (``prefetched``)
@@ -142,6 +143,15 @@ class LoadTiming:
     def _diverge(self):
         self._diverged, self._released = True, False
         self.divergences += 1
+
+    def out_of_memory(self):
+        """An early load (or an update in backward) found no device memory: this backward loads nothing
+        more, as a diverging one (the caller gives back what was loaded), and the next iteration is
+        measured again."""
+        self.out_of_memory_stops += 1
+        if not self._diverged:
+            self._diverge()
+        self._released = True  # (the caller gives back now)
 
     def take_divergence(self) -> bool:
         """Whether this backward just diverged from the measured one (once): the caller unloads what
