@@ -3,16 +3,31 @@ runs; DeviceMemory: the iteration's peak kept across the load policy's resets.""
 
 import pytest
 
-from deepspeed_offload.runtime.memory.iteration_memory import DeviceMemory, IterationMemory
+from deepspeed_offload.runtime.memory.iteration_memory import MAX_SIZES, DeviceMemory, IterationMemory
 
 
-def test_one_size_seen_grows_in_proportion_and_never_below_what_was_measured():
+def test_one_size_seen_grows_quadratically_and_never_below_what_was_measured():
+    """Before a second size is seen, the first larger input may be a longer sequence under an attention
+    that materializes its scores: 4x the tokens is up to 16x the growth, and a give-back sized for 4x
+    would be an out-of-memory error."""
     m = IterationMemory()
     assert m.predict(100) is None  # nothing measured: no prediction
     m.add(100, base=50, growth=200, slack=10)
     assert m.predict(100) == 50 + 200 + 10
     assert m.predict(50) == 50 + 200 + 10  # a smaller input: at most what was measured, never less
-    assert m.predict(300) == 50 + 600 + 10  # in proportion to the input (power 1)
+    assert m.predict(300) == 50 + 200 * 9 + 10  # with the square of the input (power 2)
+    assert m.predict(400) == 50 + 200 * 16 + 10
+
+
+def test_the_sizes_kept_are_bounded_and_the_largest_ones():
+    """Variable-length batches: one sample per distinct size would grow for ever. The largest sizes are
+    kept; a smaller input's prediction comes from a larger one, never below what was measured for it."""
+    m = IterationMemory()
+    for n in range(1, 1001):
+        m.add(n, base=0, growth=10 * n)
+    assert len(m.growth) == len(m.slack) == MAX_SIZES and min(m.growth) == 1001 - MAX_SIZES
+    assert m.predict(5) == 10 * 1000  # from the sizes above it (all of them kept), more than its own 50
+    assert m.predict(1000) == 10 * 1000
 
 
 @pytest.mark.parametrize("power", [1.0, 1.5, 2.0])

@@ -13,7 +13,13 @@ survives from step to step), and the peak allocated from there to the step's end
 activations, gradients, the step's temporaries). The growth is fitted as ``growth(n) = g * (n /
 n0) ** p`` through the largest input seen (``n0``, its largest growth ``g``); ``p`` is measured from
 the two largest distinct inputs, between 1 (activations in proportion to the tokens) and 2 (an
-attention that materializes its scores), and 1 while only one size was seen. Inputs at or under
+attention that materializes its scores), and 2 while only one size was seen: the first larger input
+may be a longer sequence under such an attention (4x the tokens, 16x its scores), and a give-back
+too small for it is an out-of-memory error, where one too large costs a take-back later. (An input
+that trades batch for sequence at the same elements can still grow faster than that; the element
+count does not tell them apart.) Only the ``MAX_SIZES`` largest sizes are kept: variable-length
+batches (RL rollouts, packed SFT) would otherwise add one entry per length for ever; a size
+dropped is predicted from a larger one's growth, never less. Inputs at or under
 ``n0`` need at most ``g``: the prediction never goes below what was measured. The caching allocator
 reserves more than it hands out (blocks cut to size, a 7B's iteration held 9 GiB more reserved than
 allocated at its peak); the prediction adds what a step reserved beyond its allocated peak
@@ -33,8 +39,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-# The exponent of growth with the input that the fit allows.
+# The exponent of growth with the input that the fit allows (MAX_POWER: before two sizes were seen).
 MIN_POWER, MAX_POWER = 1.0, 2.0
+# Input sizes whose samples are kept (the largest ones).
+MAX_SIZES = 32
 
 
 class DeviceMemory:
@@ -103,6 +111,9 @@ class IterationMemory:
             self.top_slack = max(self.top_slack, slack)
         self.growth[numel] = max(self.growth.get(numel, 0), max(0, growth))
         self.slack[numel] = max(0, slack)
+        if len(self.growth) > MAX_SIZES:
+            smallest = min(self.growth)
+            del self.growth[smallest], self.slack[smallest]
 
     @property
     def largest(self) -> int:
@@ -111,7 +122,7 @@ class IterationMemory:
     def power(self) -> float:
         sizes = sorted(self.growth)
         if len(sizes) < 2:
-            return MIN_POWER
+            return MAX_POWER  # one size seen: the steepest the fit allows, until a second size says
         n1, n2 = sizes[-2], sizes[-1]
         g1, g2 = self.growth[n1], self.growth[n2]
         if g1 <= 0 or g2 <= g1:
