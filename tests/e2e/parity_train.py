@@ -280,6 +280,41 @@ def install_early_load_fault(engine, fault):
     handle.copies.alloc = failing
 
 
+def install_held_check(engine, result_extra):
+    """Before and after every gradient hook's early loads: the running counts they read (speculation's
+    ``held_bytes``, ``EarlyLoads.held_into_step``) against a recount from every sub-group's phase, as
+    they were computed before they ran (a walk over the members, the order and the events)."""
+    handle = deepspeed_offload.get_handle(engine)
+    spec, table, early = handle.speculation, handle.table, handle.early
+    result_extra["held_checks"] = 0
+
+    def recount(where):
+        own = [i for i in handle.order if table[i].on_device and table[i].slot is None]
+        if spec is not None:
+            assert spec.updated.nbytes == sum(s.nbytes() for s in spec.updated.values()), where
+            for i in spec.coming.of:
+                r = table[i]
+                assert r.on_device and r.slot is None and not r.host_stale and i not in spec.updated, (where, i, r)
+            if spec._boundary:
+                master = handle.opt.fp32_partitioned_groups_flat
+                missing = [i for i in own if i in spec.members and not table[i].host_stale and i not in spec.updated
+                           and spec.base.state.get(master[i]) and i not in spec.coming]
+                assert not missing, (where, missing)  # loaded, its update to come, its bytes not reserved
+        into = (spec.held_bytes if spec is not None else 0) + sum(
+            table.store_bytes(i) for i in own if spec is None or not spec.updates_in_backward(i))
+        assert early.held_into_step() == into, (where, early.held_into_step(), into)
+        result_extra["held_checks"] += 1
+
+    gradients_final = early.gradients_final
+
+    def checked(allowance):
+        recount("before a hook's loads")
+        gradients_final(allowance)
+        recount("after a hook's loads")
+
+    early.gradients_final = checked
+
+
 def abort_step(engine, fail_at=None):
     """Make the update of the second sub-group raise (or of sub-group ``fail_at``: "first_kept", the
     first that compile mode keeps on the device), and report what the step left behind: whether every
@@ -833,6 +868,8 @@ def train_with(spec):
     step_seconds = []  # how long each iteration (forward, backward, step) took, wall clock
     held_after_step = []  # per optimizer step: offloaded sub-groups not back on the host when it returned
     result_extra = {}
+    if spec.get("check_held") and getattr(deepspeed_offload.get_handle(engine), "early", None) is not None:
+        install_held_check(engine, result_extra)
     gas = spec.get("gas", 1)
     start = 0
     loaded_into_store = None

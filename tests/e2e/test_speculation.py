@@ -29,7 +29,9 @@ needs_two_ranks = pytest.mark.skipif(two_ranks_unavailable() is not None, reason
 OFFLOAD = {"enabled": True, "mode": "stream", "memory_budget_gb": 0, "speculate_memory_gb": 1}
 # host memory for the second regions of the last few sub-groups alone: the others roll back from device copies
 FROM_DEVICE = dict(OFFLOAD, speculate_memory_gb=1e-6)
-BASE = dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True, tied=True, steps=6)
+# (check_held: the early loads' running counts recounted at every gradient hook, parity_train.py)
+BASE = dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, late=True, tied=True, steps=6,
+            check_held=True)
 HUGE, TINY = 1e9, 1e-9  # gradient_clipping that never fires / always fires
 
 CASES = {
@@ -132,6 +134,7 @@ def test_speculation_parity(case_runs, case):
     for name in [n for n in ("speculate", "deferred", "from_device", "deferred_from_device") if n in runs]:
         ours = runs[name]
         assert_bitwise_equal(plain, ours)
+        assert ours["held_checks"] > 0  # the running counts were recounted at every hook, and agreed
         c = ours["handle"]["speculation"]
         assert c is not None and len(c["members"]) == len(ours["handle"]["order"]), c
         if "from_device" in name:  # both kinds of rollback side by side

@@ -239,8 +239,9 @@ class ResidencyTable:
         return self.holds.held()
 
     def prune_in_flight(self) -> int:
-        """Forget the dropped buffers whose copies have ended: once per step (``StepLifecycle.close``)
-        and at every ``held_early``, so the list holds one step's copies at most. Returns how many are left."""
+        """Forget the dropped buffers whose copies have ended: once per step (``StepLifecycle.close``; each
+        ``held_early`` forgets the oldest ones), so the list holds one step's copies at most. Returns how
+        many are left."""
         return self.holds.prune()
 
     def unload_all(self) -> List[int]:

@@ -12,17 +12,12 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
   DeepSpeed builds it, times the factor ``unscale_and_clip_grads`` uses when clipping does not
   fire (1 / loss scale), then DeepSpeed's own ``_optimizer_step``;
   the result is written back while its 16-bit cast stays on the device (2 bytes a parameter), and
-  the optimizer's small state (Adam's ``step``) and group entries are put back as they were. Where
-  the result goes depends on what the update can be rolled back from (``Rollback``):
-
-  - ``SECOND_REGION``: into the sub-group's *second* host region (``HostStore`` twins); the current
-    one, the state before, is untouched. Costs 12 bytes a parameter of host memory;
-  - ``DEVICE_COPY``: over its current host region, once the state before was copied into device
-    buffers of its own, kept until the step (12 bytes a parameter of device memory, taken only
-    where backward has freed that much: counted with the early loads, like the casts and the one
-    fp32 gradient buffer all updates of a backward share, so that the iteration's peak does not
-    rise). For the sub-groups the host has no second region for.
-
+  the optimizer's small state (Adam's ``step``) and group entries are put back as they were. The
+  result goes where its rollback keeps the state before (``Rollback``): ``SECOND_REGION``, the
+  sub-group's second host region (12 bytes a parameter of host memory); ``DEVICE_COPY`` (those the
+  host has no second region for), over its current region, the state before copied into device
+  buffers first, counted with the early loads like the casts and the shared fp32 gradient buffer
+  (``held.py``), so that the iteration's peak does not rise.
   The updates run on a side stream: backward never waits for a load or an update;
 - as the step begins, before DeepSpeed's norm (bf16): each cast is **settled** into its 16-bit
   partition, so that the casts' device memory is free for the step's first loads while DeepSpeed
@@ -31,34 +26,32 @@ the norm is known is bitwise the one computed after. So, in the boundary backwar
   before (from its device copy, or from its current host region);
 - at the step, once DeepSpeed has the norm: if it did not overflow, the loss scale and the
   hyper-parameters are the ones the update used, and the clip factor is exactly 1, each updated
-  sub-group is **committed** in DeepSpeed's loop (a second region becomes current; a device copy
-  is dropped: nothing is copied either way but the 16-bit partition, from the cast kept on the
-  device, unless it was settled); otherwise everything speculated is **discarded** and the step runs
-  as if nothing had happened (a current region overwritten gets the device copy back first). Where rollbacks repeat
-  (clipping fires at every step), ``Backoff`` spaces the backwards that speculate out, so that the
-  steps that reload what they wrote back stay rare.
+  sub-group is **committed** in DeepSpeed's loop (a second region becomes current, a device copy is
+  dropped; only the 16-bit partition is copied, from the cast, unless it was settled); otherwise
+  everything speculated is **discarded** and the step runs as if nothing had happened (a current
+  region overwritten gets the device copy back first). Where rollbacks repeat (clipping fires at
+  every step), ``Backoff`` spaces the speculating backwards out.
 
-A sub-group's speculation goes ``final -> updated [-> settled] -> committed | discarded``; this class is the one
-place that moves it. Every offloaded sub-group is a member; second regions go to the ones whose
-gradients are final first (the last layers), within ``speculate_memory_gb`` of host memory per rank,
-chosen at attach; the others roll back from a device copy. Readers of host state between backward
-and the step (a checkpoint, ``safe_get_full_*``) discard the updates first, so they read the state
-before them. DeepSpeed's per-sub-group calls that a commit replaces (``unscale_and_clip_grads``,
-``_optimizer_step``, ``_reassign_or_swap_out_partitioned_parameters``) are wrapped here and
-installed by the stream mode's patch registry.
+A sub-group's speculation goes ``final -> updated [-> settled] -> committed | discarded``; this class
+is the one place that moves it. Every offloaded sub-group is a member; second regions go to the ones
+whose gradients are final first, within ``speculate_memory_gb`` per rank (attach). Readers of host
+state between backward and the step discard the updates first. DeepSpeed's per-sub-group calls that
+a commit replaces are wrapped here and installed by the stream mode's patch registry.
 """
 
+from collections import deque
 from typing import Dict, List
 
 import torch
 
 from ..memory.host_store import MASTER
 from .compute import update_in_backward
+from .held import Coming, HeldBytes, Waiting
 from .records import (BACKS_OFF, Backoff, Counters, Rollback, Speculated, group_entries, restore_group, restore_state,
                       same_entries)
 
 
-class Speculation:
+class Speculation(HeldBytes):
 
     def __init__(self, mode, members: List[int]):
         self.mode = mode
@@ -72,10 +65,12 @@ class Speculation:
         self.masters_written = False  # since the last applied step (``master_written``)
         self._boundary = False
         self._seen: Dict[int, set] = {}  # this boundary backward: sub-group -> ds_ids of its parameters partitioned
-        self._final: List[int] = []  # final, not yet updated, in the order they became final
+        self._final: Dict[int, None] = {}  # final, not yet updated, in the order they became final
         self._final_order: List[int] = []
+        self._ready: deque = deque()  # final and loaded into buffers of their own: to update (``run``)
         self.final_event: Dict[int, object] = {}
-        self.updated: Dict[int, Speculated] = {}
+        self.updated: Dict[int, Speculated] = Waiting()  # (their device bytes counted: held.py)
+        self.coming = Coming()  # members loaded in this backward whose update is to come
         self.committing: Dict[int, object] = {}  # this step: sub-groups whose update it takes -> their cast
         # sub-groups whose update a second reduction in the same backward voided: they wait for the step
         self.reduced_again: set = set()
@@ -109,18 +104,6 @@ class Speculation:
         """The members whose updates roll back from a device copy."""
         return self.members - self.mode.store.twins
 
-    @property
-    def held_bytes(self) -> int:
-        """Device memory the updates hold: the 16-bit casts and device copies waiting for the norm (and
-        those the loaded members' updates will make), and while a backward speculates, the fp32 gradient
-        buffer (counted before its first update allocates it)."""
-        held = sum(s.nbytes() for s in self.updated.values())
-        # ... and what the updates of the members loaded for one still to come will hold (extra_bytes)
-        table = self.mode.table
-        coming = sum(self.extra_bytes(i) for i in self.members
-                     if i not in self.updated and table[i].on_device and not table[i].host_stale)
-        return held + coming + (self._grad_bytes if self._boundary or self.grad_buffer is not None else 0)
-
     # ------------------------------------------------------------------ backward
 
     def backward_begins(self, boundary: bool) -> bool:
@@ -129,36 +112,11 @@ class Speculation:
         self.mode.copies.join_side()  # this backward's reductions rewrite what the last updates read
         if self._boundary:
             self.discard_all("no step")  # an update from a backward whose step never ran is stale
-            self._seen, self._final, self._final_order, self.final_event = {}, [], [], {}
+            self._seen, self._final, self._final_order, self.final_event = {}, {}, [], {}
             if self.backoff.skips():
                 self.counters.backed_off += 1
                 self._boundary = False
         return self._boundary
-
-    def extra_bytes(self, i: int) -> int:
-        """What an update of sub-group ``i`` in this backward adds beside its loaded state, kept until the
-        step: its 16-bit cast and, rolled back from the device, the copy of its state (``copy_bytes``;
-        the early loads reserve both, since the loaded buffers stay the device's until their write-back
-        ends)."""
-        if not self._boundary or i not in self.members:
-            return 0
-        flat = self.opt.fp16_partitioned_groups_flat[i]
-        return flat.numel() * flat.element_size() + self.copy_bytes(i)
-
-    def updates_in_backward(self, i: int) -> bool:
-        """Sub-group ``i``, loaded early in this backward, will be updated before the step (and its loaded
-        state written back): a member of a speculating backward whose gradient was not reduced again, and
-        whose optimizer state exists (the first step creates it)."""
-        if not self._boundary or i not in self.members or i in self.reduced_again:
-            return False
-        return bool(self.base.state.get(self.opt.fp32_partitioned_groups_flat[i]))
-
-    def copy_bytes(self, i: int) -> int:
-        """The device copy of the state an update of sub-group ``i`` in this backward keeps (none with a
-        second region), dropped when the step commits it (``commit``)."""
-        if not self._boundary or i not in self.members or self.rollback(i) is Rollback.SECOND_REGION:
-            return 0
-        return self.mode.table.store_bytes(i)
 
     def early_order(self, order: List[int]) -> List[int]:
         """The order the early loads of a speculating backward take: the members in the order their
@@ -183,18 +141,23 @@ class Speculation:
                 continue
             seen.add(p.ds_id)
             if len(seen) == self.needed[i] and i not in self.reduced_again:
-                self._final.append(i)
+                self._final[i] = None
                 self._final_order.append(i)
                 self.final_event[i] = self.mode.copies.mark()
+                if i in self.coming:
+                    self._ready.append(i)
 
     def run(self):
-        """Update every final sub-group whose state is in buffers of its own."""
+        """Update every final sub-group whose state is in buffers of its own (those that became both since
+        the last call: ``_ready``)."""
         if not self._boundary:
             return
-        for i in list(self._final):
+        while self._ready:
+            i = self._ready.popleft()
             r = self.mode.table[i]
-            if r.on_device and r.slot is None and not r.host_stale:
-                self._final.remove(i)
+            if i in self._final and r.on_device and r.slot is None and not r.host_stale:
+                del self._final[i]
+                self.coming.gone(i)  # (made, or failed: its update is not to come any more)
                 update_in_backward(self, i)
 
     # ------------------------------------------------------------------ the step
@@ -205,6 +168,7 @@ class Speculation:
         with fp16, whose dynamic loss scale skips steps often (each would put the casts back). Returns
         how many it settled."""
         self._boundary = False  # backward is over: nothing more is updated in it (``held_bytes``)
+        self.coming.clear()
         todo = {i: s for i, s in self.updated.items() if not s.settled}
         if not todo or self.masters_written or \
                 self.opt.fp16_partitioned_groups_flat[next(iter(todo))].dtype == torch.float16:
@@ -219,6 +183,7 @@ class Speculation:
                     copies.uses(reads=(spec.lp, ), writes=(flat, ))
                     flat.data.copy_(spec.lp)
                     casts.append(spec.lp)  # (settled from here on: a rollback puts the cast before back)
+                    self.updated.shrunk(spec.lp.numel() * spec.lp.element_size())
                     spec.lp = None
                     self.counters.settled += 1
         finally:
@@ -251,6 +216,7 @@ class Speculation:
         """At the step's start (DeepSpeed has the norm and did not overflow): commit every update or
         none. Also learns the order gradients became final in, for the next backward's loads."""
         self._boundary = False
+        self.coming.clear()  # (backward is over: no update is to come)
         self.mode.copies.join_side()  # the step (and the next backward) after every update
         self.grad_buffer = None  # joined: its block goes back in the compute stream's order
         if self._final_order:
@@ -394,4 +360,6 @@ class Speculation:
                 self.backoff.rolled_back()
         self.updated.clear()
         self.committing.clear()
-        self._final = []
+        self.coming.clear()
+        self._ready.clear()
+        self._final = {}

@@ -136,8 +136,10 @@ class EarlyLoads:
 
     def held_into_step(self) -> int:
         """Device memory that what was loaded early and what the updates keep will still hold when the
-        step begins: the updates' casts and copies, and the loaded sub-groups no update writes back."""
+        step begins: the updates' casts and copies, and the loaded sub-groups no update writes back
+        (running counts: every loaded one, ``early_bytes``, less those whose update is to come and
+        writes their state back, ``Coming.state``)."""
         mode, spec = self.mode, self.mode.speculation
-        own = [i for i in mode.order if mode.table[i].on_device and mode.table[i].slot is None]
-        return (spec.held_bytes if spec is not None else 0) + sum(
-            mode.table.store_bytes(i) for i in own if spec is None or not spec.updates_in_backward(i))
+        if spec is None:
+            return mode.table.early_bytes
+        return spec.held_bytes + mode.table.early_bytes - (spec.coming.state if spec._boundary else 0)

@@ -178,6 +178,8 @@ class StreamMode:
             self.stats = StepStats(self.copies)
         nbytes, span = self.table.load(i, staged=staged)
         self.stats.loaded(nbytes, early, span)
+        if not staged and self.speculation is not None:
+            self.speculation.loaded(i)  # (a member's update is to come: held_bytes reserves it)
 
     # ------------------------------------------------------------------ the streamed step
 
