@@ -318,7 +318,7 @@ def _pretty_torch_env(v):
 FORMATS = {
     "build_env": lambda v: _assignments(v) or "none of " + " ".join(BUILD_ENV),
     "allocator_conf": lambda v: (_assignments(v) or "unset (torch's defaults)") + (
-        "; the measured plan turns expandable_segments on from attach to detach (the block's expandable_segments)"
+        "; stream mode turns expandable_segments on from attach to detach (the block's expandable_segments)"
         if wanted(True, "cuda", v) else ""),
     "settings": lambda v: ", ".join(f"{k} {'default' if x is None else f'{x:g}'}" for k, x in v.items()),
     "devices": lambda ds: "; ".join(f"{i}: {d['name']}, {format_bytes(d['memory'])}, sm {d['capability']}, "

@@ -771,6 +771,9 @@ def train_with(spec):
         handle.measure_with(DeviceMemory(scripted))
         handle.plan.margin = s["margin"]
         handle.plan.recent = deque(maxlen=s["recent"])
+    if spec.get("unpin_after") is not None and getattr(deepspeed_offload.get_handle(engine), "arrival", None):
+        # the steps the split holds before a take-back's host memory is unpinned (arrival.py; 32 by default)
+        deepspeed_offload.get_handle(engine).arrival.unpin_after = spec["unpin_after"]
     if spec.get("early_load_fault") and deepspeed_offload.get_handle(engine) is not None:
         install_early_load_fault(engine, spec["early_load_fault"])
     if spec.get("move_faults") and deepspeed_offload.get_handle(engine) is not None:

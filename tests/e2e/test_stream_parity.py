@@ -86,10 +86,10 @@ CASES = {
     # step 2, two of them given back after step 4; with speculation (on by default), a checkpoint and its
     # resume across the moves, gradient accumulation 1 and 2
     "plan_moves": dict(spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, frozen=True, clip=1e9,
-                                 place_at=[[1, 3], [3, 1]], slab_bytes=1),
+                                 place_at=[[1, 3], [3, 1]], slab_bytes=1, unpin_after=0),
                        variants=["overlap", "deferred", "checkpoint", "resume"]),
     "plan_moves_gas2": dict(spec=dict(dtype="bf16", sub_group_size=1, late=True, gas=2, clip=1e9,
-                                      place_at=[[1, 3], [3, 1]], slab_bytes=1),
+                                      place_at=[[1, 3], [3, 1]], slab_bytes=1, unpin_after=0),
                             variants=["overlap", "deferred"]),
     # all but the last sub-group made resident after step 1, overlap off (no load, no speculation in
     # backward): DeepSpeed updates the resident ones before anything waits for a load on the H2D stream,
@@ -97,7 +97,8 @@ CASES = {
     # executor runs a copy only when waited for and fills the switch's tensors with NaN until then; the
     # optimizer's state_dict() read right after the move (a CPU reader: Arrival.wait) finds no NaN
     "plan_moves_all_resident": dict(spec=dict(dtype="bf16", sub_group_size=1, two_groups=True, clip=1e9,
-                                              place_at=[[1, -1]], slab_bytes=1, read_after_place=True),
+                                              place_at=[[1, -1]], slab_bytes=1, read_after_place=True,
+                                              unpin_after=0),
                                     variants=["deferred_off"]),
 }
 
@@ -326,7 +327,8 @@ def test_parity_two_ranks(two_rank_runs, case):
 # everything back; two steps of batch 4 later (``recent``: 2) it measures again (step 9), and after step
 # 10 takes it all back.
 FOLLOW = dict(dtype="bf16", sub_group_size=1, clip=1e9, steps=12, batch_by_step=[4] * 4 + [16] * 2 + [4] * 6,
-              scripted_memory=dict(limit=300_000, margin=20_000, fixed=100_000, per_element=300, recent=2))
+              scripted_memory=dict(limit=300_000, margin=20_000, fixed=100_000, per_element=300, recent=2),
+              unpin_after=0)
 
 
 @needs_two_ranks

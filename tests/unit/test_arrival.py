@@ -68,6 +68,7 @@ def make_mode(fake_host, monkeypatch, n=4):
     mode = SimpleNamespace(acc=get_accelerator(), store=store, copies=LateCopies(), resident=[], memory=RecordingMemory(),
                            tensors=StateTensors(opt, store, list(range(n))), guard=lambda i, other: guarded.append(i))
     mode.arrival = Arrival(mode)
+    mode.arrival.unpin_after = 0  # (the window the split holds first: its own test)
     return mode, masters, pinner, guarded
 
 
@@ -110,6 +111,7 @@ def test_the_copies_start_with_the_backward_not_the_forward(fake_host, monkeypat
     mode.lifecycle = SimpleNamespace(current=None, forward_input=inputs.append)
     mode.early = SimpleNamespace(backward_begins=lambda boundary: None)
     mode.engine = SimpleNamespace(is_gradient_accumulation_boundary=lambda: True)
+    mode.timing = SimpleNamespace(forward_input=lambda numel: None)
     StreamMode.forward_begins(mode, 128)
     assert inputs == [128] and mode.arrival.phase is ArrivalPhase.QUEUED and mode.copies.event is None
     StreamMode.backward_begins(mode)
@@ -179,3 +181,27 @@ def test_a_switch_empties_the_cache_before_its_state_is_allocated(fake_host, mon
     assert mode.memory.calls == []  # nothing to allocate: the cache stays
     mode.arrival.allocate([1, 2])
     assert mode.memory.calls == ["empty_cache", "allocate 1", "allocate 2"]
+
+
+def test_the_host_memory_is_unpinned_only_once_the_split_held_for_its_window(fake_host, monkeypatch):
+    """A give-back soon after a take-back (a larger batch within the plan's window) finds the slabs
+    still locked and locks nothing: the unpinning starts after ``UNPIN_AFTER_STEPS`` applied steps
+    without a move, and a move (either way) starts the count again."""
+    from deepspeed_offload.runtime.memory import arrival as arrival_module
+    mode, _, pinner, _ = make_mode(fake_host, monkeypatch)
+    arrival = mode.arrival
+    arrival.unpin_after = arrival_module.UNPIN_AFTER_STEPS
+    assert arrival.unpin_after == 32
+    mode.resident = [0, 1, 2, 3]
+    arrival.start(arrival.allocate([0, 1, 2, 3]))
+    arrival.launch()
+    mode.copies.event.landed = True
+    for _ in range(arrival.unpin_after - 1):
+        arrival.between_steps(iteration_s=1000.0)
+    assert mode.store.unpinned == set() and pinner.unregistered == []
+    arrival.moved()  # a give-back of another sub-group: the split changed again
+    for _ in range(arrival.unpin_after - 1):
+        arrival.between_steps(iteration_s=1000.0)
+    assert mode.store.unpinned == set()
+    arrival.between_steps(iteration_s=1000.0)  # held for the whole window
+    assert mode.store.unpinned == {0, 1, 2, 3} and len(pinner.unregistered) == 4

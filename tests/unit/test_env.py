@@ -87,7 +87,7 @@ def test_the_allocator_settings_are_reported_where_set(monkeypatch):
     for name in envinfo.ALLOC_CONF_ENV:
         monkeypatch.delenv(name, raising=False)
     assert envinfo.probe_allocator_conf() == {}
-    assert envinfo.FORMATS["allocator_conf"]({}) == ("unset (torch's defaults); the measured plan turns "
+    assert envinfo.FORMATS["allocator_conf"]({}) == ("unset (torch's defaults); stream mode turns "
                                                      "expandable_segments on from attach to detach (the block's "
                                                      "expandable_segments)")
     assert envinfo.FORMATS["allocator_conf"]({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}).endswith(

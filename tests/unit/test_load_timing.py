@@ -388,3 +388,32 @@ def test_the_largest_allowance_is_the_most_early_loads_hold_in_a_like_backward()
     seen = []
     iteration(dev, timing, lambda room: seen.append(room) or 0)
     assert max(seen) == timing.largest_allowance() > 0
+
+
+def test_a_larger_input_is_measured_before_its_forward_at_every_budget():
+    """Allowances measured on one input hold for it and for smaller ones (the rest of a smaller
+    iteration allocates less), not for a larger one: before the forward of an input larger than the
+    measured iteration's, the iteration is measured again (no early loads, whatever the budget), and
+    its figures hold from then on, the smaller inputs' too."""
+    dev = FakeDevice()
+    dev.alloc(BASE)
+    timing = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True)
+    for _ in range(2):
+        timing.forward_input(100)
+        iteration(dev, timing, fits)
+    assert timing.measured_for == 100 and timing.future and not timing.measuring
+    timing.forward_input(100)  # the size measured: as measured
+    assert not timing.measuring
+    _, _, early = iteration(dev, timing, fits)
+    assert early > 0
+    timing.forward_input(400)  # larger: measured again, before its forward allocates anything
+    assert timing.measuring and timing.larger_inputs == 1 and timing.future == []
+    peak_large, _, early_large = iteration(dev, timing, fits, keys=[0, 1, 2, 9], extra=200)
+    assert early_large == 0 and timing.measured_for == 400 and timing.peak_off == peak_large
+    timing.forward_input(100)  # smaller: the larger one's figures hold
+    assert not timing.measuring and timing.larger_inputs == 1
+    peak_small, _, early_small = iteration(dev, timing, fits)
+    assert early_small > 0 and peak_small <= timing.peak_off
+    capped = LoadTiming(dev, synchronous=False, slot_bytes=5, early_in_backward=True, prefetch=True, early_cap=30)
+    capped.forward_input(10**6)  # a fixed cap (overlap_memory_gb) is the user's figure: nothing to measure
+    assert not capped.measuring and capped.larger_inputs == 0

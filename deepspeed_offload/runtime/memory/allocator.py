@@ -1,14 +1,17 @@
-"""The caching allocator's ``expandable_segments``, held on while a measured plan runs.
+"""The caching allocator's ``expandable_segments``, held on while stream mode moves state on a GPU.
 
 Without it, the CUDA caching allocator reserves a new segment wherever no free piece of the segments
 it holds is large enough, and the free pieces stay reserved. The measured plan (``placement.py``)
 decides on reserved memory, so those pieces are room it gives up: a 7B whose state was split kept 29
-to 40 sub-groups resident instead of 45 to 47, and ran 10% slower (docs/benchmarks.md). With
-expandable segments the allocator maps memory into its segments as they grow and there are no such
-pieces. The setting can change while the process runs (what is already reserved stays as it is); so
-stream mode turns it on at attach where the measured plan runs on a CUDA device, and off again when
-the last mode that turned it on detaches, each time passing the allocator's other settings along
-(torch puts those a new setting does not name back to their defaults).
+to 40 sub-groups resident instead of 45 to 47, and ran 10% slower (docs/benchmarks.md). The early
+loads, at every budget, keep within an allocated peak that the measured iteration reached; the
+pieces are what reserved memory adds to it (3.4-3.6 GiB at 7B with everything on the host), so a
+fixed budget has less headroom than the plan without it. With expandable segments the allocator
+maps memory into its segments as they grow and there are no such pieces. The setting can change
+while the process runs (what is already reserved stays as it is); so stream mode turns it on at
+attach where its early loads are measured on a CUDA device (every budget; the measured plan's too),
+and off again when the last mode that turned it on detaches, each time passing the allocator's other
+settings along (torch puts those a new setting does not name back to their defaults).
 
 The process's environment decides where it names the setting (``PYTORCH_ALLOC_CONF``,
 ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_HIP_ALLOC_CONF``: ``expandable_segments:True`` or
@@ -145,8 +148,9 @@ def hold_for(mode, switch: ExpandableSegments = SWITCH):
         switch.release()
 
     mode.on_detach(release)
-    log_dist("[deepspeed-offload] measured plan: the caching allocator maps memory into expandable segments "
-             "until detach, so that free pieces of its segments do not take the room of resident state "
+    log_dist("[deepspeed-offload] stream mode: the caching allocator maps memory into expandable segments "
+             "until detach, so that free pieces of its segments do not take the room of resident state and "
+             "early loads "
              "(the block's expandable_segments: false, or PYTORCH_CUDA_ALLOC_CONF naming the setting, "
              "leaves the allocator as it is)", ranks=[0])
 

@@ -16,9 +16,11 @@ of the step; a switch goes through these phases::
 - ``before_step``: DeepSpeed's step is about to read and update that state: the compute stream waits
   for the copies (on the device, the CPU goes on); ``wait``: the CPU is about to read or move state
   (``synchronize_for_checkpoint``): it waits for them;
-- ``between_steps``: once the copies landed, the sub-groups still resident have their host regions
-  unpinned (``HostStore.unpin``), for at most ``UNPIN_SHARE`` of the last iteration's time per step
-  (one sub-group at least): the store's memory goes back to the host over the next steps;
+- ``between_steps``: once the copies landed and the split has held for ``UNPIN_AFTER_STEPS`` applied
+  steps (a give-back within them finds its slabs still locked: it needs no locking, which costs a
+  give-back of gigabytes most of an iteration), the sub-groups still resident have their host
+  regions unpinned (``HostStore.unpin``), for at most ``UNPIN_SHARE`` of the last iteration's time
+  per step (one sub-group at least): the store's memory goes back to the host over the next steps;
 - ``settle``: all of that now (before something needs the host memory: ``offload_states()``).
 
 A sub-group that goes back to the host before its region was unpinned needs nothing: its slabs are
@@ -37,6 +39,9 @@ from ...host_memory import format_bytes
 
 # What unpinning may take of each step, as a share of the last iteration's time.
 UNPIN_SHARE = 0.02
+# Applied steps the split holds (no move) before the host memory of what it made resident is unpinned:
+# the measured plan's window of recent inputs (placement.RECENT_STEPS), in which one may send it back.
+UNPIN_AFTER_STEPS = 32
 
 
 class ArrivalPhase(enum.Enum):
@@ -64,6 +69,8 @@ class Arrival:
         self.copied_bytes = 0  # the last switch's
         self.unpin_s = 0.0  # seconds spent unpinning since the last switch
         self.unpin_steps = 0  # ... over this many steps
+        self.unpin_after = UNPIN_AFTER_STEPS
+        self.steps_held = 0  # applied steps since the split last changed (``moved``)
 
     @property
     def phase(self) -> ArrivalPhase:
@@ -103,6 +110,12 @@ class Arrival:
         self.copied_bytes = sum(t.numel() * t.element_size() for t in switch.dst.values())
         self.to_unpin += [i for i in switch.sub_groups if i not in self.to_unpin]
         self.unpin_s, self.unpin_steps = 0.0, 0
+        self.moved()
+
+    def moved(self):
+        """The split changed (a take-back, or a give-back: ``runtime/step/moves.py``): the unpinning waits
+        for it to hold again."""
+        self.steps_held = 0
 
     def launch(self):
         """The switch's copies onto the H2D stream, after the compute stream's queued work (the
@@ -126,15 +139,17 @@ class Arrival:
             self.event = None
 
     def between_steps(self, iteration_s: Optional[float]):
-        """After an applied step: once the copies landed, unpin for at most ``UNPIN_SHARE`` of
-        ``iteration_s`` (at least one sub-group)."""
+        """After an applied step: once the copies landed and the split held for ``unpin_after`` steps,
+        unpin for at most ``UNPIN_SHARE`` of ``iteration_s`` (at least one sub-group)."""
+        self.steps_held += 1
         if self.queued is not None:
             return  # (no backward since the switch: the next one launches its copies)
         if self.event is not None:
             if not self.mode.copies.done(self.event):
                 return  # still copying: the regions are read
             self.event = None
-        self._unpin(UNPIN_SHARE * (iteration_s or 0.0))
+        if self.steps_held >= self.unpin_after:
+            self._unpin(UNPIN_SHARE * (iteration_s or 0.0))
 
     def settle(self):
         """Everything now: the copies landed, every region of a resident sub-group unpinned."""

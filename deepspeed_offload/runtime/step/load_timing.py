@@ -33,7 +33,11 @@ slots are taken out of its backward's figures (``prefetched``): they count in ``
 step's figure, where every iteration holds them, not in what the rest of backward allocates. The
 step's figure starts where the step does, before DeepSpeed's norm (whose temporaries meet the slots).
 
-The table holds for iterations like the measured one. Each later boundary backward is checked
+The table holds for iterations like the measured one, and for smaller inputs (what the rest of a
+smaller iteration allocates is less, so it stays below the measured peak). Before a training forward
+whose input is larger than the one it was measured on (``forward_input``), at every budget, the
+iteration is measured again: it loads nothing early, holds what the measured one held, and its figures
+hold from then on. Each later boundary backward is checked
 against it: the memory allocated when it begins (more activations: a layer first used now, a longer
 sequence) and, hook by hook, which parameter's gradient arrives (a router that picks other experts, a
 layer unfrozen or first used). On the first difference the backward **diverges**: what was loaded
@@ -85,6 +89,9 @@ class LoadTiming:
         self.measurements = 0  # measurements finished
         self.divergences = 0  # boundary backwards that differed from the measured one
         self.out_of_memory_stops = 0  # ... or where an early load found no device memory
+        self.measured_for = 0  # the largest forward input of the iteration measured last (elements)
+        self.larger_inputs = 0  # measurements started before a forward larger than that
+        self._input = 0  # the largest forward input of this iteration so far
         self._measuring = False
         self._intervals: List[int] = []  # the measured iteration's peaks between its hooks
         self._prefetched = 0  # bytes it holds in the slots from its backward's start (``prefetched``)
@@ -114,6 +121,16 @@ class LoadTiming:
         if self.synchronous:
             return True
         return self.acc.max_memory_allocated() + 2 * self.slot_bytes <= PREFETCH_SHARE * self.acc.total_memory()
+
+    def forward_input(self, numel: int):
+        """A training forward of this iteration takes an input of ``numel`` elements. Larger than the
+        measured iteration's, while allowances come from a measurement: this iteration is measured (it
+        loads nothing early), before its forward allocates anything (at any budget; the measured plan's
+        give-back, placement.py, asks the same)."""
+        self._input = max(self._input, numel)
+        if numel > self.measured_for and self.future and not self._measuring and self._measurable():
+            self.larger_inputs += 1
+            self.remeasure()
 
     def prefetched(self, nbytes: int):
         """The caller loaded ``nbytes`` into the slots as this backward began (``backward_begins`` said
@@ -199,6 +216,9 @@ class LoadTiming:
         self.steps += 1
         self._stepping = False
         if self._measuring:
+            self.measured_for = self._input
+        self._input = 0
+        if self._measuring:
             self._interval()
             self._finish_measurement()
         elif (self.steps == MEASURED_STEP - 1 or self._diverged) and self._measurable():
@@ -211,6 +231,7 @@ class LoadTiming:
         if self._measuring:
             self._start_measurement()  # measure the next iteration instead
         self._diverged = False
+        self._input = 0
 
     # ------------------------------------------------------------------ decisions
 

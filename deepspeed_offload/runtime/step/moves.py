@@ -178,6 +178,7 @@ class Moves:
         if mode.speculation is not None:
             mode.speculation.set_members(new.order)
         mode.colocation.layout_changed()
+        mode.arrival.moved()  # (what was made resident keeps its host memory locked while the split settles)
         move.move(MovePhase.APPLIED)
         if mode.plan is not None:
             mode.plan.landed(move.to_device, move.to_host)

@@ -49,6 +49,8 @@ def build(mode, placement: Placement, early_in_backward: bool):
     mode.plan = None
     if placement.host_first and not mode.copies.synchronous and early_in_backward:
         measure_with(mode, mode.memory)
+    elif not mode.copies.synchronous and early_in_backward:
+        allocator.hold_for(mode)  # every budget: the early loads' allowances are allocated peaks, kept in reserved
     mode.tensors = StateTensors(mode.opt, mode.store, mode.order)
     mode.speculation = Speculation(mode, speculating) if speculating else None
     mode.early = EarlyLoads(mode)
@@ -75,7 +77,7 @@ def measure_with(mode, memory: DeviceMemory):
     limit = device_limit(memory, mode.cfg.max_device_memory_gb)
     mode.plan, mode.timing.measure_always = MeasuredPlan(limit=limit, margin=margin_bytes(limit)), True
     agreement.cpu_group()  # the moves agree over it at every step and forward (made here: on every rank)
-    allocator.hold_for(mode)  # the plan reads reserved memory: no free pieces of segments in it
+    allocator.hold_for(mode)  # the plan reads reserved memory: no free pieces of segments in it (one hold per mode)
 
 
 def log_attach(mode):

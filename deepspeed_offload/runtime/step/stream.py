@@ -141,6 +141,8 @@ class StreamMode:
                 self.memory.empty_cache()  # what went back is the device's again
             if first:
                 self.forward_level = self.memory.open_window()
+        if not self._in_step:
+            self.timing.forward_input(numel)  # larger than the early loads were measured on: measured again
         self.lifecycle.forward_input(numel)
 
     # ------------------------------------------------------------------ backward: loads ahead of the step
