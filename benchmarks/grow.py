@@ -16,6 +16,7 @@ an out-of-memory error ends the run and is reported.
 
 import argparse
 import json
+import sys
 import time
 
 import deepspeed
@@ -41,6 +42,7 @@ def main():
     ap.add_argument("--batches", default="8,8,8,8,9,9,10,10,11,11,12,12,14,14")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--non-reentrant", action="store_true", help="gradient_checkpointing_kwargs use_reentrant False")
+    ap.add_argument("--no-checkpointing", action="store_true", help="no gradient checkpointing at all")
     ap.add_argument("--split", action="store_true",
                     help="synchronize after backward too: forward+backward seconds apart")
     ap.add_argument("--sync", choices=["device", "compute"], default="device",
@@ -50,6 +52,7 @@ def main():
                     help="the block's sub_group_mb (its default, 256, where left out): fewer, larger sub-groups "
                          "mean fewer of DeepSpeed's per-sub-group norms in the step")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default=None, help="the code's commit, written into the result")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     import transformers
@@ -75,7 +78,8 @@ def main():
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = LlamaForCausalLM(config)
     # the style asked for explicitly: transformers 4 defaults to reentrant, transformers 5 to non-reentrant
-    enable_checkpointing(model, reentrant=not args.non_reentrant)
+    if not args.no_checkpointing:
+        enable_checkpointing(model, reentrant=not args.non_reentrant)
     optimizer = FusedAdam(model.parameters(), lr=1e-5)
     engine, _, _, _ = deepspeed_offload.initialize(model=model, optimizer=optimizer, config=cfg)
     handle = deepspeed_offload.get_handle(engine)
@@ -118,16 +122,21 @@ def main():
                                                        "loaded_in_step", "loaded_at_entry", "bytes_in_step", "settled",
                                                        "h2d_wait_s", "update_s", "d2h_s", "step_s")},
                            divergences=handle.timing.divergences, measurements=handle.timing.measurements,
+                           **{k: stats.get(k) for k in ("give_backs", "take_backs", "moves_failed")},
+                           larger_inputs=getattr(handle.timing, "larger_inputs", None),
                            pinned_gib=handle.store.pinned_bytes / 2**30)
             rows.append(row)
             print(f"[grow] {json.dumps(row)}", flush=True)
     result = {"mode": args.mode, "preset": args.preset, "seq": args.seq, "batches": batches, "setup_s": setup_s,
               "sync": args.sync, "sub_group_mb": args.sub_group_mb,
               "sub_groups": len(engine.optimizer.fp16_groups),
-              "reentrant": not args.non_reentrant, "rows": rows, "oom": oom,
+              "checkpointing": None if args.no_checkpointing else "non-reentrant" if args.non_reentrant else "reentrant",
+              "rows": rows, "oom": oom,
               "give_backs": None if handle is None or handle.plan is None else handle.plan.give_backs,
               "expandable_segments": allocator.SWITCH.on(),  # the environment's, or the measured plan's switch
               "norm": None if handle is None else handle.norms.source.value,  # runtime/step/grad_norm.py
+              "commit": args.commit, "command": "deepspeed --num_gpus 1 benchmarks/grow.py " + " ".join(sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
               "transformers": transformers.__version__}
     with open(args.out, "w") as f:

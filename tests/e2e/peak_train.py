@@ -7,7 +7,11 @@ the iterations after the first three (the overlap's measured iteration is the se
 
 ``memory_fraction``: the process may take only that share of the device (torch's per-process limit: an
 allocation beyond it runs out of memory, as on a smaller GPU); ``tokens_by_step``: the input's length at
-each step. An out-of-memory error ends the variant's loop and is reported (``oom_at``).
+each step. An out-of-memory error ends the variant's loop and is reported (``oom_at``). ``heads``: each
+block starts with an eager self-attention over the whole input (one sequence, its ``heads`` x tokens x
+tokens scores materialized, softmax in fp32, as transformers' eager attention): memory that grows with
+the square of the sequence. ``first_power``: the growth the measured plan assumes before a second input
+size is seen (iteration_memory.MAX_POWER; a negative control sets 1).
 """
 
 import gc
@@ -23,12 +27,29 @@ from torch.utils.checkpoint import checkpoint
 import deepspeed_offload
 
 
+class Attention(torch.nn.Module):
+    """Eager self-attention over ``x`` (tokens x hidden: one sequence), its scores materialized."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        t, h = x.shape[0], self.heads
+        q, k, v = self.qkv(x).view(t, 3, h, -1).permute(1, 2, 0, 3)  # each heads x tokens x head_dim
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        attn = torch.softmax(scores.float(), dim=-1).to(x.dtype) @ v
+        return x + self.proj(attn.transpose(0, 1).reshape(t, -1))
+
+
 class Blocks(torch.nn.Module):
 
-    def __init__(self, hidden, blocks, vocab):
+    def __init__(self, hidden, blocks, vocab, heads=0):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
+            torch.nn.Sequential(*([Attention(hidden, heads)] if heads else []), torch.nn.Linear(hidden, 4 * hidden),
+                                torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden))
             for _ in range(blocks))
         self.head = torch.nn.Linear(hidden, vocab)
 
@@ -44,7 +65,10 @@ def run(spec, offload):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
            "optimizer_state_offload": offload}
-    model = Blocks(spec["hidden"], spec["blocks"], spec["vocab"])
+    model = Blocks(spec["hidden"], spec["blocks"], spec["vocab"], spec.get("heads", 0))
+    if spec.get("first_power") is not None:
+        from deepspeed_offload.runtime.memory import iteration_memory
+        iteration_memory.MAX_POWER = spec["first_power"]
     engine, _, _, _ = deepspeed_offload.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(spec["tokens"], spec["hidden"], device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, spec["vocab"], (spec["tokens"], ), device="cuda")
@@ -91,6 +115,7 @@ def run(spec, offload):
         dict(handle.speculation.counters.as_dict(), members=len(handle.speculation.members))
     out = {"peaks": peaks, "reserved": reserved, "slot_bytes": handle.slot_bytes, "loaded_early": stats["loaded_early"],
            "sub_groups": len(handle.order), "between": torch.cuda.memory_allocated(),
+           "sub_groups_total": len(handle.order) + len(handle.resident), "state_bytes": handle.probe.total,
            "divergences": handle.timing.divergences, "measurements": handle.timing.measurements,
            "speculation": spec_counters, "resident": resident, "seconds": seconds, "oom_at": oom_at,
            "give_backs": None if handle.plan is None else handle.plan.give_backs,

@@ -131,3 +131,36 @@ def test_the_measured_plan_gives_back_before_a_longer_sequence_runs(tmp_path):
     resident = defaults["resident"]
     assert max(resident[1:4]) > 0 and resident[-1] < max(resident[1:4]), summary  # kept, then given back
     assert defaults["give_backs"] >= 1, summary
+
+
+# an eager attention whose scores grow with the square of the sequence: 1024 tokens, then 4096 at once
+ATTENTION = dict(SPEC, heads=16, tokens=1024, steps=7, tokens_by_step=[1024] * 5 + [4096] * 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device memory to measure)")
+def test_a_first_longer_sequence_under_eager_attention_gets_room_at_the_defaults(tmp_path):
+    """Blocks that start with an eager attention (its scores materialized), the sequence 4x longer at
+    step 6, before any second length was seen. The process may take what the schedule reserves with
+    everything offloaded (budget 0, measured first) plus half the state: at 1024 tokens the plan keeps
+    the whole state resident; the 4096-token iteration needs 16x the scores, and a give-back sized for
+    4x (linear growth: the control, ``first_power`` 1) leaves more than half the state resident and
+    runs out of memory. The defaults assume quadratic growth until a second size is seen: they give
+    back enough before the forward and train to the end."""
+    block = {"enabled": True, "mode": "stream", "sub_group_mb": 64}
+    offloaded, = _runs(tmp_path, "attn_budget0", ATTENTION, [dict(block, memory_budget_gb=0)])
+    assert offloaded["oom_at"] is None, offloaded["oom_at"]
+    state_gib = offloaded["state_bytes"] / 2**30
+    limit_gib = max(offloaded["reserved"]) / 2**30 + state_gib / 2
+    total = torch.cuda.get_device_properties(0).total_memory
+    spec = dict(ATTENTION, memory_fraction=limit_gib * 2**30 / total)
+    limited = dict(block, max_device_memory_gb=limit_gib)
+    defaults, = _runs(tmp_path, "attn_defaults", spec, [limited])
+    control, = _runs(tmp_path, "attn_linear", dict(spec, first_power=1.0), [limited])
+    summary = (f"limit {limit_gib:.2f} GiB, state {state_gib:.2f} GiB; budget 0 reserved "
+               f"{[round(r / 2**30, 2) for r in offloaded['reserved']]}; defaults: resident {defaults['resident']}, "
+               f"oom {defaults['oom_at']}; linear control: resident {control['resident']}, oom {control['oom_at']}")
+    print(summary)
+    (tmp_path / "summary.txt").write_text(summary + "\n")
+    assert max(defaults["resident"][:5]) == defaults["sub_groups_total"], summary  # all resident at 1024 tokens
+    assert defaults["oom_at"] is None and len(defaults["seconds"]) == ATTENTION["steps"], summary
+    assert control["oom_at"] is not None and control["oom_at"]["tokens"] == 4096, summary  # the test can fail
