@@ -18,9 +18,9 @@ from deepspeed.utils import log_dist, logger
 from .config import Plan, validate
 from .ds_config import load_ds_config, resolve_config_source
 from .errors import BLOCK
-from .estimate import host_plan
+from .sizing.estimate import host_plan
 from .handle import HANDLE_ATTR, get_handle
-from .host_memory import check_host_plan
+from .sizing.host_memory import check_host_plan
 
 # The attribute install() sets on the deepspeed.initialize it puts in place.
 INSTALLED_MARK = "_deepspeed_offload_installed"

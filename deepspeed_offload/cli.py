@@ -18,10 +18,11 @@ from .ds_config import load_ds_config
 from .framework_fill import FRAMEWORKS, fill, has_auto, parse_set, strict_json
 from .errors import BLOCK, ConfigError
 from .env_settings import read_env
-from .fit import (H200_BANDWIDTH_GBPS, add_arguments as add_fit_arguments, describe as describe_fit,
+from .sizing.fit import (H200_BANDWIDTH_GBPS, add_arguments as add_fit_arguments, describe as describe_fit,
                   from_args as fit_from_args, shape_from_args)
-from .estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes, state_bytes_per_rank)
-from .host_memory import HostMemory, check_host_plan, format_bytes
+from .sizing.estimate import (HOST_BANDWIDTH_GBPS, deepspeed_pinned_per_rank, estimate, host_plan, speculation_bytes, state_bytes_per_rank)
+from .sizing.host_memory import HostMemory, check_host_plan, format_bytes
+from .sizing.verdict import UNKNOWN, Verdict, for_host, for_split
 from .runtime.memory.node_plan import largest_params, node_plan_for, split
 
 
@@ -153,7 +154,7 @@ def cmd_estimate(ns) -> int:
             ds_config = plan.with_reduce_bucket(shape.hidden_size)
         bandwidth, measured = ns.bandwidth, False
         if bandwidth is None:
-            from .bandwidth import measure_bandwidth
+            from .sizing.bandwidth import measure_bandwidth
             bandwidth, measured = measure_bandwidth(), True
         if bandwidth is None and shape is not None:  # the fit answer's time: an H200's, as its throughput
             bandwidth, measured = H200_BANDWIDTH_GBPS, None
@@ -178,9 +179,7 @@ def cmd_estimate(ns) -> int:
         est["fit"] = answer
     est["bandwidth_measured"] = measured  # (None: assumed, the H200 runs' figure)
     est["speculation_per_rank"] = spec = speculation_bytes(est["gpu_freed_per_rank"], speculate_gb)
-    if ns.json:
-        print(json.dumps(est))
-    else:
+    if not ns.json:
         src = {True: "measured", False: "given",
                None: "assumed: the H200 runs' median; pass --bandwidth"}[measured]
         budget = f"{budget_gb:g} GiB" if budget_gb is not None else "the measured plan's, as below" \
@@ -204,15 +203,33 @@ def cmd_estimate(ns) -> int:
             print(describe_fit(answer, shape, ranks_per_node, bandwidth, src))
         elif budget_gb is None:
             print(_describe_split(ns, ranks_per_node, placement))
-    if budget_gb is not None:  # (derived: the store takes what the host can give, the GPU the rest)
-        given = None if ns.host_memory_gb is None else HostMemory(total=int(ns.host_memory_gb * 2**30),
-                                                                  available=int(ns.host_memory_gb * 2**30))
-        try:
-            check_host_plan(host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb),
-                            given)
-        except ConfigError as e:
-            print(f"warning ({'this host' if given is None else '--host-memory-gb'}): {e.reason}", file=sys.stderr)
-    return 1 if answer is not None and answer["verdict"] == "does not fit" else 0
+    verdict = _verdict(ns, answer, placement, budget_gb, speculate_gb, ranks_per_node)
+    if ns.json:
+        print(json.dumps(dict(est, verdict=verdict.as_dict())))
+    else:
+        print(verdict.line())
+    return verdict.exit_code
+
+
+def _verdict(ns, answer, placement, budget_gb, speculate_gb, ranks_per_node) -> Verdict:
+    """One verdict whichever way estimate was asked: the fit answer (the model's shape), the measured plan's
+    split (--iteration-memory-gb), or the host alone (--params)."""
+    if answer is not None:
+        return Verdict(answer["verdict"], answer["why"], answer["what"], answer["ways_out"])
+    if placement is not None:
+        return for_split(placement, placement["host_cap"])
+    if budget_gb is None:
+        return Verdict(UNKNOWN, "the measured plan places the state once it has measured the iteration: give the "
+                       "model (--model, or --model-config) and --seq, or --iteration-memory-gb (the figure it logs)")
+    given = None if ns.host_memory_gb is None else HostMemory(total=int(ns.host_memory_gb * 2**30),
+                                                              available=int(ns.host_memory_gb * 2**30))
+    plan = host_plan(ns.params, ns.world_size, ranks_per_node, budget_gb, speculate_gb=speculate_gb)
+    reason = None
+    try:
+        check_host_plan(plan, given)
+    except ConfigError as e:
+        reason = f"{e.reason} ({'this host' if given is None else '--host-memory-gb'})"
+    return for_host(plan.store_per_rank, _host_cap(ns, ranks_per_node), budget_gb, reason)
 
 
 def _host_cap(ns, ranks_per_node: int) -> int:

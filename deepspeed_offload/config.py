@@ -16,12 +16,12 @@ from deepspeed.utils import logger
 from packaging import version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .activations import DEFAULT_REDUCE_BUCKET, dtype_of
+from .sizing.activations import DEFAULT_REDUCE_BUCKET, dtype_of
 from .compat import compile_mode_refusal, deepspeed_release
 from .ds_config import get_path, load_ds_config, resolve_config_source
 from .errors import BLOCK, ConfigError, pydantic_error
-from .estimate import STATE_BYTES_PER_PARAM
-from .host_memory import format_bytes
+from .sizing.estimate import STATE_BYTES_PER_PARAM
+from .sizing.host_memory import format_bytes
 from .preflight import AUTO, DeepSpeedView, deepspeed_view, reject_unfilled_auto, run_deepspeed_config
 
 # DeepCompile itself needs torch 2.6 (deepspeed.compile.util.is_deepcompile_supported).

@@ -33,7 +33,7 @@ import time
 from importlib import import_module, metadata
 
 from .env_settings import read_env
-from .host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, memlock_limit, numa_nodes,
+from .sizing.host_memory import (HostMemory, can_lock_any_amount, format_bytes, gpu_bus_id, memlock_limit, numa_nodes,
                           pci_numa_node)
 from .runtime.memory.allocator import ALLOC_CONF_ENV, wanted
 
@@ -205,7 +205,7 @@ def probe_pinned_bandwidth():
     """The benchmark's own probe: GB/s host to device, device to host, each way with both at once,
     and pageable host to device for comparison."""
     _need_cuda()
-    from .bandwidth import bandwidth
+    from .sizing.bandwidth import bandwidth
     return bandwidth(BANDWIDTH_GIB)
 
 

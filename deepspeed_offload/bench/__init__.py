@@ -11,7 +11,7 @@ One module per job: ``modes`` (the mode catalogue and each mode's ds_config), ``
 zoo), ``options`` (the command line), ``driver`` (the worker processes, resume, the entry point),
 ``worker`` (one mode in one process) with ``loop`` (the timed iterations), ``timeline`` (the
 allocator trace) and ``results`` (the result record), ``report`` (the JSON summary and its text),
-``charts``. The copy-bandwidth probe is ``deepspeed_offload.bandwidth``. docs/benchmarks.md says how
+``charts``. The copy-bandwidth probe is ``deepspeed_offload.sizing.bandwidth``. docs/benchmarks.md says how
 the bench is used and what it measured.
 """
 

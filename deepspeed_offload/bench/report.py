@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..estimate import state_bytes_per_rank
+from ..sizing.estimate import state_bytes_per_rank
 from .loop import GiB
 from .modes import lookup
 from .options import args_record, command_line

@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from ..estimate import estimate
+from ..sizing.estimate import estimate
 from .loop import GiB, SPECULATION_COUNTS, spread
 
 

@@ -17,8 +17,8 @@ import traceback
 
 import torch
 
-from ..bandwidth import bandwidth_all_ranks
-from ..estimate import state_bytes_per_rank
+from ..sizing.bandwidth import bandwidth_all_ranks
+from ..sizing.estimate import state_bytes_per_rank
 from ..runtime.memory import allocator
 from . import results
 from .loop import GiB, Loop

@@ -30,7 +30,7 @@ from ..config import Plan
 from ..env_settings import read_env
 from ..errors import BLOCK, ConfigError
 from ..handle import get_handle
-from ..estimate import deepspeed_pinned_per_rank
+from ..sizing.estimate import deepspeed_pinned_per_rank
 from . import agreement
 from .staging.copies import make_copies
 from .memory.layout import Probe, probe_layout

@@ -508,7 +508,7 @@ def colocation_with_fault(engine, fault):
     back. Reports every rank's outcome: what it raised, how long it took, what differs from before the
     call. Then nothing is offloaded on any rank (a reload that works, on every rank, if anything is)."""
     import dataclasses
-    from deepspeed_offload.host_memory import HostMemory
+    from deepspeed_offload.sizing.host_memory import HostMemory
     here = deepspeed.comm.get_rank() in fault["ranks"]
     colocation = deepspeed_offload.get_handle(engine).colocation
     if fault["at"] == "reload":

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepspeed_offload import host_memory  # noqa: E402
+from deepspeed_offload.sizing import host_memory  # noqa: E402
 
 GiB = 2**30
 

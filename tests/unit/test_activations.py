@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deepspeed_offload.activations import (CALIBRATION, DEFAULT_REDUCE_BUCKET, PRESETS, ModelShape, activation_bytes,
+from deepspeed_offload.sizing.activations import (CALIBRATION, DEFAULT_REDUCE_BUCKET, PRESETS, ModelShape, activation_bytes,
                                            between_steps_bytes, iteration_memory, layer_bytes, model_shape,
                                            predict, read_model_config, reduce_bucket_of)
 from deepspeed_offload.bench.models import LLAMA_PRESETS

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepspeed_offload.host_memory import HostMemory
+from deepspeed_offload.sizing.host_memory import HostMemory
 
 import deepspeed_offload
 from deepspeed_offload.runtime import checkpoint as ck

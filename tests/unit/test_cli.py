@@ -69,7 +69,7 @@ def test_estimate_at_7b_within_10_percent_of_the_run(capsys, mode, tmp_path):
                                "optimizer_state_offload": {"enabled": True, "memory_budget_gb": float(mode[7:]),
                                                            "sub_group_mb": args["sub_group_mb"]}}))
     est = estimate(capsys, "--params", str(ours["params"]), "--bandwidth", str(h200_bandwidth()), "--config",
-                   str(cfg), "--largest-param", str(args["vocab"] * args["hidden"]))
+                   str(cfg), "--largest-param", str(args["vocab"] * args["hidden"]), "--host-memory-gb", "125")
     assert abs(est["host_pinned_per_node"] - ours["host_pinned_GiB"] * 2**30) <= 0.01 * est["host_pinned_per_node"]
     assert est["staging_during_step"] == pytest.approx(2 * ours["slot_GiB"] * 2**30, rel=0.01)
     added = ours["step_s"] - res["step_s"]
@@ -86,14 +86,22 @@ def test_estimate_uses_the_config_budget_and_splits_ranks(capsys, tmp_path):
     assert est["host_pinned_per_node"] == 4 * est["gpu_freed_per_rank"]
 
 
-def test_estimate_warns_when_host_memory_is_short(capsys, fake_host, tmp_path):
+def test_estimate_says_does_not_fit_when_host_memory_is_short(capsys, fake_host, tmp_path):
+    """--params with a fixed budget: the host alone decides, and a host short of the stores is a verdict of
+    DOES NOT FIT, exit 1, as every other way estimate is asked (it was a warning and exit 0); with the host
+    holding them, the GPU side is unknown without the model or the iteration's figure (exit 0)."""
     fake_host(total=16 * 2**30, available=4 * 2**30)  # 2 GiB usable, 11.2 GiB of state
     cfg = tmp_path / "c.json"  # a budget set by hand: the store must hold the rest
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                                "optimizer_state_offload": {"enabled": True, "memory_budget_gb": 0}}))
-    assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50", "--config", str(cfg)]) == 0
-    err = capsys.readouterr().err
-    assert "warning (this host):" in err and "need 11.18 GiB" in err and "can give 2.00 GiB" in err
+    assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50", "--config", str(cfg)]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: DOES NOT FIT: the state on the host:" in out
+    assert "need 11.18 GiB" in out and "can give 2.00 GiB" in out and "(this host)" in out
+    assert "to make it fit: memory_budget_gb 9.2 or more" in out
+    assert cli_main(["estimate", "--params", "1000000000", "--bandwidth", "50", "--config", str(cfg),
+                     "--host-memory-gb", "64"]) == 0
+    assert "verdict: UNKNOWN: the host holds the stores" in capsys.readouterr().out
 
 
 def test_estimate_splits_the_state_between_the_gpu_and_the_host(capsys):
@@ -112,8 +120,10 @@ def test_estimate_splits_the_state_between_the_gpu_and_the_host(capsys):
     assert 13_000_000_000 < largest < 20_000_000_000
     fill = 12 * largest + other + 4 * largest
     assert 0 <= place["host_cap"] + int(139.8 * gib) - place["margin"] - fill < 16
-    assert cli_main(["estimate", "--params", "13000000000", *args[:-2], "--host-memory-gb", "30"]) == 0
-    assert "does NOT fit" in capsys.readouterr().out
+    assert cli_main(["estimate", "--params", "13000000000", *args[:-2], "--host-memory-gb", "30"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "verdict: DOES NOT FIT: the state beside the iteration:" in out
+    assert "-" not in out.split("verdict:")[1].split("to make it fit")[0].replace("--", "")  # no negative figure
 
 
 def test_estimate_takes_the_margin_a_plan_logged(capsys):
@@ -159,7 +169,7 @@ def test_check_shows_each_ranks_store_and_speculations_share(capsys, fake_host, 
 
 
 def test_estimate_needs_a_bandwidth_without_gpu(capsys, monkeypatch):
-    import deepspeed_offload.bandwidth as probe
+    import deepspeed_offload.sizing.bandwidth as probe
     monkeypatch.setattr(probe, "measure_bandwidth", lambda gib=1: None)
     assert cli_main(["estimate", "--params", "1000"]) == 2
     assert "--bandwidth" in capsys.readouterr().err

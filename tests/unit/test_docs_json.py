@@ -15,7 +15,7 @@ from deepspeed_offload.config import BLOCK, parse_block
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(json|jsonc|json5|hjson)[ \t]*\n(.*?)^```", re.S | re.M)
-FILES = [*sorted((ROOT / "examples").glob("*.json")), *sorted((ROOT / "docs").glob("*.json")),
+FILES = [*sorted((ROOT / "examples").rglob("*.json")), *sorted((ROOT / "docs").glob("*.json")),
          *sorted((ROOT / "benchmarks" / "results").glob("*.json"))]
 
 
@@ -72,3 +72,9 @@ def test_a_comment_or_an_invalid_block_is_caught(tmp_path):
         check({"zero_optimization": {"stage": 3}, BLOCK: {"enabled": True, "mode": "auto"}})
     with pytest.raises(ConfigError, match="optimizer_state_offload.overlap"):
         check({BLOCK: {"overlap": "yes"}})
+
+
+def test_the_committed_results_stay_under_1_mb():
+    """benchmarks/results/ holds one compact summary per cited run (its README): under 1 MB together."""
+    total = sum(p.stat().st_size for p in (ROOT / "benchmarks" / "results").iterdir() if p.is_file())
+    assert total < 1_000_000, f"benchmarks/results holds {total:,} bytes: compact them, or drop runs no longer cited"

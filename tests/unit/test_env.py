@@ -19,7 +19,8 @@ from deepspeed.accelerator import get_accelerator
 from packaging.version import Version
 
 import deepspeed_offload
-from deepspeed_offload import envinfo, host_memory
+from deepspeed_offload import envinfo
+from deepspeed_offload.sizing import host_memory
 from deepspeed_offload.compat import at_least
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,9 +282,9 @@ def test_the_bandwidth_probe_needs_nothing_of_the_benchmark():
     made unimportable here; tqdm comes with DeepSpeed itself)."""
     code = ("import sys\n"
             "sys.modules['matplotlib'] = sys.modules['transformers'] = None\n"
-            "import deepspeed_offload.bandwidth, deepspeed_offload.envinfo, deepspeed_offload.cli\n"
+            "import deepspeed_offload.sizing.bandwidth, deepspeed_offload.envinfo, deepspeed_offload.cli\n"
             "assert 'deepspeed_offload.bench' not in sys.modules, 'the benchmark was imported'\n"
-            "import deepspeed_offload.bandwidth as b\n"
+            "import deepspeed_offload.sizing.bandwidth as b\n"
             "assert callable(b.bandwidth) and callable(b.measure_bandwidth) and callable(b.bandwidth_all_ranks)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cuda" if HAS_CUDA else "cpu"))

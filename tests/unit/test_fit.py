@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from deepspeed_offload.activations import PRESETS
+from deepspeed_offload.sizing.activations import PRESETS
 from deepspeed_offload.cli import main as cli_main
-from deepspeed_offload.fit import fit
+from deepspeed_offload.sizing.fit import fit
 
 GiB = 2**30
 # The H200 machine of the runs: the limit its plans logged (139.80 GiB less the CUDA context), and
@@ -175,3 +175,69 @@ def test_check_and_the_fit_answer_assume_the_same_ranks_per_node(capsys, tmp_pat
     assert cli_main(["check", str(cfg), "--params", str(PRESETS["7B"].params), "--world-size", "8"]) in (0, 2)
     out = capsys.readouterr()
     assert "node of 4 rank(s)" in out.out or "of its 4 rank(s)" in out.err, out
+
+
+def apply(way: str, case: dict) -> dict:
+    """``case`` (fit's arguments) changed as the way out says."""
+    import re
+    case = dict(case)
+    if m := re.match(r"micro-batch (\d+)", way):
+        case["batch"] = int(m.group(1))
+    elif way.startswith("gradient checkpointing"):
+        case["checkpointing"] = True
+        if m := re.search(r"micro-batch (\d+)$", way):
+            case["batch"] = int(m.group(1))
+    elif m := re.match(r"(\d+) ranks instead", way):
+        case["world"] = int(m.group(1))
+    elif m := re.match(r"memory_budget_gb ([\d.]+)", way):
+        case["budget_gb"] = float(m.group(1))
+    elif way.startswith("memory_budget_gb null"):
+        case["budget_gb"] = None
+    elif m := re.match(r"([\d.]+) GiB of usable host memory a rank", way):
+        case["host_cap"] = int(float(m.group(1)) * GiB) + 2**20
+    else:
+        raise AssertionError(f"unknown way out: {way}")
+    return case
+
+
+KW = dict(reduce_bucket=500_000_000, host_bandwidth=72.9)
+# Jobs that do not fit, one for each thing that fails: (model, fit's arguments, what does not fit)
+NOT_FITTING = [
+    ("7B", dict(batch=16, seq=4096, checkpointing=False, device=int(79.1 * GiB), host_cap=int(117 * GiB)),
+     "the iteration alone"),
+    ("7B", dict(batch=4, seq=4096, checkpointing=True, device=int(79.1 * GiB), host_cap=int(28 * GiB)),
+     "the state beside the iteration"),
+    ("13B", dict(batch=4, seq=4096, checkpointing=True, device=int(138.42 * GiB), host_cap=int(117 * GiB),
+                 budget_gb=0.0), "the state on the host"),
+    ("7B", dict(batch=8, seq=4096, checkpointing=True, device=int(79.1 * GiB), host_cap=int(117 * GiB),
+                budget_gb=60.0), "the state beside the iteration"),
+]
+
+
+@pytest.mark.parametrize("model,case,what", NOT_FITTING)
+def test_a_job_that_does_not_fit_names_what_and_every_way_out_works(model, case, what):
+    """What fails is named with figures that make sense (none negative), and each change the answer
+    proposes, applied alone, makes the job fit."""
+    args = dict(case)
+    answer = fit(PRESETS[model], args.pop("batch"), args.pop("seq"), args.pop("checkpointing"), **args, **KW)
+    assert answer["verdict"] == "does not fit" and answer["what"] == what, answer["verdict_line"]
+    assert " -" not in answer["why"] and answer["ways_out"], answer["verdict_line"]
+    for way in answer["ways_out"]:
+        changed = apply(way, case)
+        again = fit(PRESETS[model], changed.pop("batch"), changed.pop("seq"), changed.pop("checkpointing"),
+                    **changed, **KW)
+        assert again["verdict"] != "does not fit", (way, again["verdict_line"])
+    assert answer["verdict_line"].startswith(f"verdict: DOES NOT FIT: {what}: ")
+    assert "to make it fit: " in answer["verdict_line"]
+
+
+def test_the_iteration_memory_path_says_the_same_verdict(capsys):
+    """--params with --iteration-memory-gb (the figure a plan logs): one verdict line, exit 1 when the
+    part the host cannot hold does not fit beside it; 0 when it fits."""
+    args = ["estimate", "--params", "13000000000", "--bandwidth", "48", "--iteration-memory-gb", "60",
+            "--device-memory-gb", "139.8"]
+    assert cli_main([*args, "--host-memory-gb", "118"]) == 0
+    assert "verdict: SPLIT" in capsys.readouterr().out
+    assert cli_main([*args, "--host-memory-gb", "30", "--json"]) == 1
+    verdict = json.loads(capsys.readouterr().out.splitlines()[-1])["verdict"]
+    assert verdict["kind"] == "does not fit" and verdict["what"] == "the state beside the iteration", verdict

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from conftest import GiB, write_host
-from deepspeed_offload import ConfigError, host_memory
-from deepspeed_offload.estimate import host_plan
-from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
+from deepspeed_offload import ConfigError
+from deepspeed_offload.sizing import host_memory
+from deepspeed_offload.sizing.estimate import host_plan
+from deepspeed_offload.sizing.host_memory import HostMemory, HostPlan, check_host_plan
 from deepspeed_offload.runtime.memory import pinned
 from deepspeed_offload.runtime.memory.host_store import MASTER, HostStore
 

@@ -390,7 +390,7 @@ def test_host_store_twins_flip_without_copying():
 def test_speculation_members_and_host_plan():
     """Members: a prefix from the last sub-group down (the first gradients to be final) that fits;
     the host plan adds their second regions (12 bytes a parameter, like the store)."""
-    from deepspeed_offload.estimate import host_plan, state_bytes_per_rank
+    from deepspeed_offload.sizing.estimate import host_plan, state_bytes_per_rank
     from deepspeed_offload.runtime.memory.layout import fitting_prefix
     nbytes = {0: 100, 1: 100, 2: 50, 3: 50}.__getitem__
     assert fitting_prefix([3, 2, 1, 0], nbytes, 120) == [3, 2]

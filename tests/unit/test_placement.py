@@ -4,7 +4,7 @@ reading, and the measured plan's decisions, with faked figures."""
 import pytest
 
 from deepspeed_offload.errors import ConfigError
-from deepspeed_offload.host_memory import HostMemory, HostPlan, check_host_plan
+from deepspeed_offload.sizing.host_memory import HostMemory, HostPlan, check_host_plan
 from deepspeed_offload.runtime.memory.node_plan import RankFigures, describe_node, host_first_resident, plan_node
 from deepspeed_offload.runtime.memory import allocator, placement
 from deepspeed_offload.runtime.memory.placement import MeasuredPlan, margin_bytes

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Optional, Tuple
 from deepspeed.utils import log_dist, logger
 
 from ...handle import get_handle
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 from ..patches import PatchRegistry
 from .. import agreement
 from .commit import recover, remove_leftovers

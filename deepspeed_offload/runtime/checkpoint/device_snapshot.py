@@ -22,7 +22,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 from .regions import Regions
 
 PIECE = 64 << 20  # bytes of each bounce buffer (two of them, pinned, made at the first save that uses them)

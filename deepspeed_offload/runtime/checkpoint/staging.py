@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from deepspeed.utils import logger
 
-from ...host_memory import HostMemory, format_bytes
+from ...sizing.host_memory import HostMemory, format_bytes
 from ..patches import PatchRegistry
 from .device_snapshot import DeviceSnapshot
 from .errors import CheckpointWriteError

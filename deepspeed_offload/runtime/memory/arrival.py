@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from deepspeed.utils import log_dist
 
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 
 # What unpinning may take of each step, as a share of the last iteration's time.
 UNPIN_SHARE = 0.02

@@ -27,7 +27,7 @@ from deepspeed.utils import logger
 
 from ...compat import pin_empty
 from ...errors import ConfigError
-from ...host_memory import BLOCK, HostPlan, check_host_plan, gpu_numa_node, local_ranks
+from ...sizing.host_memory import BLOCK, HostPlan, check_host_plan, gpu_numa_node, local_ranks
 from . import pinned
 
 MASTER = "__master__"

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Sequence
 
 from ...errors import BLOCK, ConfigError
-from ...estimate import STATE_BYTES_PER_PARAM
-from ...host_memory import HostMemory, format_bytes, node_ways_out
+from ...sizing.estimate import STATE_BYTES_PER_PARAM
+from ...sizing.host_memory import HostMemory, format_bytes, node_ways_out
 from .placement import margin_bytes
 
 GiB = 2**30

@@ -33,7 +33,7 @@ import torch
 from deepspeed.utils import logger
 
 from ...env_settings import read_env
-from ...host_memory import format_bytes, memlock_hint, node_cpus
+from ...sizing.host_memory import format_bytes, memlock_hint, node_cpus
 
 # Slabs are cut at region boundaries once they reach this size (a region larger than it is a slab).
 SLAB_BYTES = 1 << 30

@@ -38,7 +38,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from deepspeed.utils import log_dist
 
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 from . import allocator
 from .iteration_memory import IterationMemory
 from .layout import fitting_prefix

@@ -11,7 +11,7 @@ from typing import List, Tuple
 
 from deepspeed.utils import log_dist
 
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 from ..memory.layout import fitting_prefix
 
 

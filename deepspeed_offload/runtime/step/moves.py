@@ -42,7 +42,7 @@ from typing import List, Optional
 import torch
 from deepspeed.utils import log_dist
 
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 from .. import agreement
 from ..memory.arrival import Switch
 

@@ -11,7 +11,7 @@ every rank, the engine and the optimizer left as DeepSpeed built them.
 from deepspeed.utils import log_dist
 
 from ...handle import HANDLE_ATTR
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 from .. import agreement
 from ..attach import Placement, fault_point
 from ..checkpoint import ALIGN, AsyncCheckpointer

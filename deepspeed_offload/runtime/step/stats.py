@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from deepspeed.utils import log_dist, logger
 
-from ...host_memory import format_bytes
+from ...sizing.host_memory import format_bytes
 
 
 class StepStats:

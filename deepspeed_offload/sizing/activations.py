@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ConfigError, pydantic_error
+from ..errors import ConfigError, pydantic_error
 from .estimate import STATE_BYTES_PER_PARAM
 
 GiB = 2**30
@@ -71,6 +71,11 @@ class ModelShape(BaseModel):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # counted on the model transformers builds (``model_config.py``): exact for every architecture,
+    # where the formulas below are Llama's (None: the formulas)
+    counted_params: Optional[int] = Field(None, gt=0)
+    counted_largest: Optional[int] = Field(None, gt=0)
+    model_type: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:
@@ -93,19 +98,27 @@ class ModelShape(BaseModel):
 
     @property
     def params(self) -> int:
-        """Parameters of ``LlamaForCausalLM`` in this shape (Llama-2-7B's: 6,738,415,616)."""
+        """Parameters of the model: as counted, else ``LlamaForCausalLM``'s in this shape (Llama-2-7B's:
+        6,738,415,616)."""
+        if self.counted_params:
+            return self.counted_params
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * self.layer_params + embeddings + self.hidden_size
 
     @property
     def largest_param(self) -> int:
-        """Elements of the largest parameter: the embedding (vocabulary x hidden), or an MLP matrix."""
+        """Elements of the largest parameter: as counted, else the embedding (vocabulary x hidden) or an
+        MLP matrix."""
+        if self.counted_largest:
+            return self.counted_largest
         return max(self.vocab_size * self.hidden_size, self.hidden_size * self.intermediate_size)
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} KV heads" if self.kv_heads != self.num_attention_heads else ""
-        return (f"{self.params:,} parameters ({self.num_hidden_layers} layers, hidden {self.hidden_size}, MLP "
-                f"{self.intermediate_size}, {self.num_attention_heads} heads{kv}, vocabulary {self.vocab_size})")
+        kind = f"{self.model_type}, " if self.model_type else ""
+        tied = ", tied embeddings" if self.tie_word_embeddings else ""
+        return (f"{self.params:,} parameters ({kind}{self.num_hidden_layers} layers, hidden {self.hidden_size}, MLP "
+                f"{self.intermediate_size}, {self.num_attention_heads} heads{kv}, vocabulary {self.vocab_size}{tied})")
 
 
 FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import psutil
 
-from .errors import BLOCK, ConfigError
+from ..errors import BLOCK, ConfigError
 
 GiB = 2**30
 

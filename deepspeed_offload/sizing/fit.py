@@ -17,14 +17,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from .activations import (DTYPE_BYTES, FIELDS, GiB, PRESETS, ModelShape, dtype_of, iteration_memory, model_shape,
-                          read_model_config, reduce_bucket_of)
-from .errors import ConfigError
+from .activations import (DTYPE_BYTES, FIELDS, LOGIT_BYTES, GiB, PRESETS, ModelShape, dtype_of, iteration_memory,
+                          model_shape, read_model_config, reduce_bucket_of)
+from ..errors import ConfigError
 from .estimate import (STATE_BYTES_PER_PARAM, deepspeed_pinned_per_rank, estimate, speculation_bytes,
                        state_bytes_per_rank)
 from .host_memory import format_bytes
-from .runtime.memory.node_plan import split
-from .runtime.memory.placement import margin_bytes
+from .model_config import from_name
+from .verdict import judge
+from ..runtime.memory.node_plan import split
+from ..runtime.memory.placement import margin_bytes
 
 # The host-device bandwidth assumed where none is given or measured: the median each way, both
 # directions busy, of the H200 runs' probes (benchmarks/results, 50.4 GB/s).
@@ -74,36 +76,59 @@ def tflops_of(t: Throughput) -> float:
     return training_flops(PRESETS[t.model], t.batch, t.seq, t.checkpointing) / t.seconds / 1e12
 
 
-def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: str = "bf16",
-        params: Optional[int] = None, world: int = 1, ranks_per_node: int = 1, device: int, host_cap: int,
-        budget_gb: Optional[float] = None, sub_group_mb: int = 256, largest_param: Optional[int] = None,
-        reduce_bucket: int, margin: Optional[int] = None, bandwidth: float = H200_BANDWIDTH_GBPS,
-        host_bandwidth: float, speculate_gb: Optional[float] = 0.0, deepspeed_pinned: int = 0,
-        tflops: Optional[float] = None) -> Dict[str, Any]:
-    """The answer for one rank of ``world`` (bytes, seconds): ``device`` bytes of GPU memory training
-    may use, ``host_cap`` bytes of host memory for this rank's store; ``budget_gb`` None: the measured
-    plan places the state, else that much stays resident."""
-    params = params or shape.params
-    d = DTYPE_BYTES[dtype]
-    state = state_bytes_per_rank(params, world)
-    largest = shape.largest_param if largest_param is None else largest_param
-    slot = min(state, max(sub_group_mb * 2**20, state_bytes_per_rank(largest, world)))
-    margin = margin_bytes(device) if margin is None else margin
+class Sizer:
+    """One job as ``estimate`` was asked about it, asked again under one change at a time (another
+    micro-batch, checkpointing, more ranks, another budget, more host memory) so that a verdict of
+    DOES NOT FIT names the changes that work (verdict.py). ``device`` bytes of GPU memory training may
+    use, ``host_cap`` bytes of host memory for a rank's store; ``budget_gb`` None: the measured plan."""
 
-    def memory(b: int, resident: int):
-        return iteration_memory(shape, b, seq, checkpointing, params=params, world=world, dtype_bytes=d,
-                                reduce_bucket=reduce_bucket, resident=resident, slot=slot, streamed=resident < state)
+    def __init__(self, shape: ModelShape, seq: int, checkpointing: bool, *, dtype: str, params: int, world: int,
+                 device: int, host_cap: int, budget_gb: Optional[float], sub_group_mb: int, largest: int,
+                 reduce_bucket: int, margin: int):
+        self.shape, self.seq, self.checkpointing, self.params, self.world = shape, seq, checkpointing, params, world
+        self.dtype_bytes, self.device, self.host_cap, self.budget_gb = DTYPE_BYTES[dtype], device, host_cap, budget_gb
+        self.sub_group_mb, self.largest, self.reduce_bucket = sub_group_mb, largest, reduce_bucket
+        self.margin = margin if budget_gb is None else 0  # (a fixed budget plans no margin)
 
-    def place(b: int):
-        """(resident bytes, fits, the split) at micro-batch ``b``."""
-        if budget_gb is None:  # the plan measures with the state streamed, then keeps what fits
-            out = split(state, host_cap, device, memory(b, 0).besides_state, margin)
+    def state(self, world: Optional[int] = None) -> int:
+        return state_bytes_per_rank(self.params, world or self.world)
+
+    def slot(self, world: Optional[int] = None) -> int:
+        """A staging slot: a sub-group, or the largest parameter's state where that is larger."""
+        world = world or self.world
+        return min(self.state(world), max(self.sub_group_mb * 2**20, state_bytes_per_rank(self.largest, world)))
+
+    def memory(self, b: int, resident: int, checkpointing: Optional[bool] = None, world: Optional[int] = None):
+        world = world or self.world
+        state, slot = self.state(world), self.slot(world)
+        return iteration_memory(self.shape, b, self.seq, self.checkpointing if checkpointing is None else checkpointing,
+                                params=self.params, world=world, dtype_bytes=self.dtype_bytes,
+                                reduce_bucket=self.reduce_bucket, resident=resident, slot=slot,
+                                streamed=resident < state)
+
+    def place(self, b: int, checkpointing: Optional[bool] = None, world: Optional[int] = None, budget_gb="asked",
+              host_cap: Optional[int] = None):
+        """(resident bytes, fits, the measured plan's split or None) at micro-batch ``b``."""
+        budget = self.budget_gb if budget_gb == "asked" else budget_gb
+        host_cap = self.host_cap if host_cap is None else host_cap
+        state = self.state(world)
+        if budget is None:  # the plan measures with the state streamed, then keeps what fits
+            margin = self.margin if self.budget_gb is None else margin_bytes(self.device)
+            out = split(state, host_cap, self.device, self.memory(b, 0, checkpointing, world).besides_state, margin)
             return out["resident"], out["fits"], out
-        resident = min(state, int(budget_gb * GiB))
-        it = memory(b, resident)
-        return resident, state - resident <= host_cap and it.peak_reserved <= device, None
+        resident = min(state, int(budget * GiB))
+        it = self.memory(b, resident, checkpointing, world)
+        return resident, state - resident <= host_cap and it.peak_reserved <= self.device, None
 
-    def largest_batch(ok) -> int:
+    def fits(self, b: int, **change) -> bool:
+        return self.place(b, **change)[1]
+
+    def largest_batch(self, all_resident: bool = False, **change) -> int:
+        """The largest micro-batch that fits (``all_resident``: with all of the state resident), 0 if 1 does not."""
+        def ok(b):
+            resident, fits, _ = self.place(b, **change)
+            return resident == self.state(change.get("world")) if all_resident else fits
+
         if not ok(1):
             return 0
         lo = 1
@@ -115,25 +140,55 @@ def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: 
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         return lo
 
-    resident, fits, placement = place(batch)
+    def fitting_budget(self, b: int) -> Optional[float]:
+        """The largest ``memory_budget_gb`` (0.1 GiB steps) that fits at micro-batch ``b``: from the least
+        that leaves the host no more than it holds up to the whole state; None if none does."""
+        step = 0.1
+        lo = math.ceil(max(0, self.state() - self.host_cap) / GiB / step)
+        hi = math.ceil(self.state() / GiB / step)
+        if not self.fits(b, budget_gb=lo * step):
+            return None
+        while hi - lo > 0:  # (fits at lo; the largest that fits, in steps)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.fits(b, budget_gb=mid * step) else (lo, mid - 1)
+        return round(lo * step, 1)
+
+    def host_needed(self, b: int) -> Optional[int]:
+        """Host memory a rank needs for the measured plan to fit at ``b`` (None: the GPU has no room for
+        the iteration even with everything on the host)."""
+        room = self.device - self.margin - self.memory(b, 0).besides_state
+        return self.state() - room if room >= 0 else None
+
+    def logit_bytes(self, b: int) -> int:
+        return LOGIT_BYTES * self.shape.vocab_size * b * self.seq
+
+    def host_cap_text(self) -> str:
+        return format_bytes(self.host_cap)
+
+
+def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: str = "bf16",
+        params: Optional[int] = None, world: int = 1, ranks_per_node: int = 1, device: int, host_cap: int,
+        budget_gb: Optional[float] = None, sub_group_mb: int = 256, largest_param: Optional[int] = None,
+        reduce_bucket: int, margin: Optional[int] = None, bandwidth: float = H200_BANDWIDTH_GBPS,
+        host_bandwidth: float, speculate_gb: Optional[float] = 0.0, deepspeed_pinned: int = 0,
+        tflops: Optional[float] = None) -> Dict[str, Any]:
+    """The answer for one rank of ``world`` (bytes, seconds): ``device`` bytes of GPU memory training
+    may use, ``host_cap`` bytes of host memory for this rank's store; ``budget_gb`` None: the measured
+    plan places the state, else that much stays resident."""
+    params = params or shape.params
+    largest = shape.largest_param if largest_param is None else largest_param
+    margin = margin_bytes(device) if margin is None else margin
+    sizer = Sizer(shape, seq, checkpointing, dtype=dtype, params=params, world=world, device=device,
+                  host_cap=host_cap, budget_gb=budget_gb, sub_group_mb=sub_group_mb, largest=largest,
+                  reduce_bucket=reduce_bucket, margin=margin)
+    state = sizer.state()
+    resident, fits, placement = sizer.place(batch)
     streamed = state - resident
-    it = memory(batch, resident)
-    verdict = "does not fit" if not fits else "fits" if not streamed else "split"
-    if fits:
-        why = ""
-    elif streamed > host_cap and budget_gb is not None:
-        why = (f"memory_budget_gb {budget_gb:g} leaves {format_bytes(streamed)} of each rank's state to the host, "
-               f"which can hold {format_bytes(host_cap)} a rank")
-    elif budget_gb is None:
-        why = (f"the host can hold {format_bytes(host_cap)} of each rank's {format_bytes(state)} of state; the other "
-               f"{format_bytes(state - host_cap)} must stay on the GPU, where the iteration reserves "
-               f"{format_bytes(placement['iteration'])} besides it and the plan keeps a margin of "
-               f"{format_bytes(margin)} on {format_bytes(device)}")
-    else:
-        why = f"the iteration reserves {format_bytes(it.peak_reserved)} of the GPU's {format_bytes(device)}"
-    plain = iteration_memory(shape, batch, seq, checkpointing, params=params, world=world, dtype_bytes=d,
-                             reduce_bucket=reduce_bucket, resident=state)
-    whole = largest_batch(lambda b: place(b)[0] == state) if budget_gb is None else None
+    it = sizer.memory(batch, resident)
+    verdict = judge(sizer, batch, resident, fits)
+    plain = iteration_memory(shape, batch, seq, checkpointing, params=params, world=world,
+                             dtype_bytes=DTYPE_BYTES[dtype], reduce_bucket=reduce_bucket, resident=state)
+    whole = sizer.largest_batch(all_resident=True) if budget_gb is None else None
 
     rate = tflops or tflops_of(measured_tflops(params))
     forward_backward = training_flops(shape, batch, seq, checkpointing) / (rate * 1e12)
@@ -144,10 +199,11 @@ def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: 
     at_attach = min(state, host_cap) if budget_gb is None else streamed
     spec = speculation_bytes(streamed, speculate_gb) if speculate_gb is not None else None
     return {
-        "verdict": verdict, "why": why, "params": params, "dtype": dtype, "batch": batch, "seq": seq,
+        "verdict": verdict.kind, "why": verdict.reason, "what": verdict.what, "ways_out": verdict.ways_out,
+        "verdict_line": verdict.line(), "params": params, "dtype": dtype, "batch": batch, "seq": seq,
         "checkpointing": checkpointing, "state_per_rank": state, "resident_per_rank": resident,
         "streamed_per_rank": streamed, "host_cap_per_rank": host_cap, "device": device, "margin": margin,
-        "slot": slot, "measured_plan": budget_gb is None, "budget_gb": budget_gb,
+        "slot": sizer.slot(), "measured_plan": budget_gb is None, "budget_gb": budget_gb,
         "iteration": {"between_steps": it.between, "activations": it.activations, "slots": it.slots,
                       "peak_allocated": it.peak_allocated, "peak_reserved": it.peak_reserved,
                       "besides_state": it.besides_state},
@@ -157,7 +213,7 @@ def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: 
         "host_pinned_per_node": ranks_per_node * streamed,
         "speculation_per_node": None if spec is None else ranks_per_node * spec,
         "deepspeed_pinned_per_node": ranks_per_node * deepspeed_pinned,
-        "largest_batch": largest_batch(lambda b: place(b)[1]),
+        "largest_batch": sizer.largest_batch(),
         "largest_batch_all_resident": whole,
         "forward_backward_s": forward_backward, "step_s": step, "iteration_s": forward_backward + step,
         "tflops": rate, "tflops_measured": tflops is None, "bandwidth_per_rank_GBps": copies["bandwidth_per_rank_GBps"],
@@ -177,7 +233,7 @@ def describe(answer: Dict[str, Any], shape: ModelShape, ranks_per_node: int, ban
         head = (f"SPLIT: {gib(resident)} of each rank's {gib(state)} of optimizer state resident on the GPU, "
                 f"{gib(streamed)} streamed from the host each step; {how}")
     else:
-        head = f"DOES NOT FIT: {a['why']}"
+        head = f"DOES NOT FIT: {a['what']} (the verdict below says why, and what would fit)"
     lines = [f"fit: {head}",
              f"  model: {shape.describe()}"
              + (f", {a['params']:,} parameters counted (--params)" if a["params"] != shape.params else "")
@@ -219,6 +275,10 @@ def describe(answer: Dict[str, Any], shape: ModelShape, ranks_per_node: int, ban
 def add_arguments(parser, positive_int, positive_float) -> None:
     """``estimate``'s flags for the model's shape and its micro-batch (``positive_int``,
     ``positive_float``: the CLI's argument types, which name the flag in their errors)."""
+    parser.add_argument("--model", metavar="NAME_OR_PATH",
+                        help="the model as Hugging Face names it: a hub id (needs network), a local directory or a "
+                        "config.json, read by transformers' AutoConfig, its parameters counted on the meta device "
+                        "(dense decoders: Llama, Mistral, Qwen2/Qwen3, Gemma, Phi-3, ...); with --seq, the fit answer")
     parser.add_argument("--model-config", metavar="PATH",
                         help="the model's Hugging Face config.json (or its directory): hidden_size, intermediate_size, "
                         "num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size; with --seq, the "
@@ -245,7 +305,13 @@ def shape_from_args(ns) -> Optional[ModelShape]:
     and ``ns.params`` and ``ns.largest_param`` from it where not given; ConfigError naming
     ``--params`` when neither the count nor the shape is."""
     shape = None
-    if ns.model_config is not None or any(getattr(ns, name) is not None for name in FIELDS):
+    if ns.model is not None:
+        given = [f"--{name.replace('_', '-')}" for name in FIELDS if getattr(ns, name) is not None]
+        if ns.model_config is not None or given:
+            raise ConfigError("--model", f"counts the model's own sizes and parameters: give {' '.join(given) or '--model-config'}"
+                                         " with --model-config instead, or --model alone")
+        shape = from_name(ns.model)
+    elif ns.model_config is not None or any(getattr(ns, name) is not None for name in FIELDS):
         config = read_model_config(ns.model_config) if ns.model_config is not None else None
         shape = model_shape(config, {name: getattr(ns, name) for name in FIELDS})
     if ns.params is None:
@@ -264,7 +330,7 @@ def from_args(ns, shape: ModelShape, ds_config: Optional[Dict[str, Any]], budget
     """``fit`` for estimate's arguments (``device``: None where there is no device to ask and no
     --device-memory-gb); ConfigError naming the flag that is missing."""
     if ns.seq is None:
-        raise ConfigError("--seq", "the fit answer needs the tokens per sample (--seq) beside the model's shape")
+        raise ConfigError("--seq", "the fit answer needs the tokens per sample (--seq) beside the model")
     if ns.iteration_memory_gb is not None:
         raise ConfigError("--iteration-memory-gb", "the model's shape predicts what the iteration needs: give the "
                           "shape or --iteration-memory-gb, not both")
