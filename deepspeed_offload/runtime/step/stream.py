@@ -135,7 +135,8 @@ class StreamMode:
         step's first opens the window of its peak (``DeviceMemory``); where the measured plan expects the
         iteration not to fit beside the resident state, state goes back to the host before it runs."""
         first = self.lifecycle.current is None or not self.lifecycle.current.input_numel
-        if self.plan is not None and not self._in_step:  # (every rank: the move agrees)
+        # (every rank: the move agrees; not while offload_states() holds the state: its forward is a rollout's)
+        if self.plan is not None and not self._in_step and not self.opt.offloaded_states:
             k = self.plan.before_forward(self, numel)
             if self.moves.carry_out(k, self.plan.reason):  # (a give-back: it only makes room)
                 self.memory.empty_cache()  # what went back is the device's again
@@ -207,8 +208,7 @@ class StreamMode:
         own = self.early.at_step_entry(first)  # what the slots did not take, as far as the step's room allows
         self.stats.loaded_at_entry = len(self.table.in_slots()) + own
 
-    def streams(self, i: int) -> bool:
-        """Sub-group ``i``'s state is offloaded: the step brings it in and sends it out."""
+    def streams(self, i: int) -> bool:  # (offloaded: the step brings it in and sends it out)
         return i in self.table.of
 
     def bring_in(self, i: int) -> bool:
