@@ -7,8 +7,8 @@ The iteration's memory is activations.py's calibrated model; the placement is th
 rule (``split`` in runtime/memory/node_plan.py: the host holds what it can give, the GPU keeps what
 fits below its memory less the plan's margin and what the iteration reserves besides the state), or
 the budget the ds_config sets; host memory per rank is the node's usable memory over its ranks, as
-attach judges it. The time is labelled rough: forward+backward from the throughput the H200 runs
-measured (``THROUGHPUT``), scaled by the model's FLOPs; the step from the 7B's step with everything
+attach judges it. The time is labelled rough: forward+backward from the throughput the runs on the
+card measured (``THROUGHPUT``: H200, H100), scaled by the model's FLOPs; the step from the 7B's step with everything
 resident, plus estimate.py's copy time for what streams, without speculation (an upper bound where
 it runs).
 """
@@ -39,8 +39,9 @@ LARGEST_BATCH = 2**16  # the search's upper end
 
 @dataclass(frozen=True)
 class Throughput:
-    """A measured forward+backward on one H200 (bf16, one rank): the preset, its micro-batch,
+    """A measured forward+backward on one GPU (bf16, one rank): the card, the preset, its micro-batch,
     gradient checkpointing, the synchronized median seconds and where they come from."""
+    card: str
     model: str
     batch: int
     seq: int
@@ -50,11 +51,26 @@ class Throughput:
 
 
 THROUGHPUT = (
-    Throughput("1.1B", 8, 2048, False, 0.357, "llama-1b-2026-12-03-frontier.json: resident, fwd_bwd_s"),
-    Throughput("7B", 8, 4096, True, 3.862, "llama-7b-2026-12-03-default.json: default@default, fwd_bwd_s"),
-    Throughput("8B", 8, 4096, True, 4.174, "llama-8b-2026-12-03-default.json: default@0, fwd_bwd_s"),
-    Throughput("13B", 8, 4096, True, 6.934, "llama-13b-2026-12-02-default-8x4096.json: default, fwd_bwd_s"),
+    Throughput("H200", "1.1B", 8, 2048, False, 0.357, "llama-1b-2026-12-03-frontier.json: resident, fwd_bwd_s"),
+    Throughput("H200", "7B", 8, 4096, True, 3.862, "llama-7b-2026-12-03-default.json: default@default, fwd_bwd_s"),
+    Throughput("H200", "8B", 8, 4096, True, 4.174, "llama-8b-2026-12-03-default.json: default@0, fwd_bwd_s"),
+    Throughput("H200", "13B", 8, 4096, True, 6.934, "llama-13b-2026-12-02-default-8x4096.json: default, fwd_bwd_s"),
+    # the median of the H100 runs' resident fwd_bwd_s (llama-1b-2026-12-05-{buckets-a,buckets-b,rounds,
+    # buckets-h100-hidden2}-h100.json and -buckets-h100-sub-group.json: 0.363-0.430 s)
+    Throughput("H100", "1.1B", 8, 2048, False, 0.423, "llama-1b-2026-12-05-*-h100.json: resident, fwd_bwd_s"),
+    # the 7B cannot be resident on an H100: its split runs at the defaults, iterations 3-9, the
+    # iteration less the step (llama-7b-2026-12-06-h100-{norm-queued,allocator-switch,default-expandable}.json:
+    # 4.149-4.238 s, reentrant checkpointing, 37-48 of 162 sub-groups resident)
+    Throughput("H100", "7B", 8, 4096, True, 4.183, "llama-7b-2026-12-06-h100-*.json: s - step_s, iterations 3-9"),
 )
+CARDS = sorted({t.card for t in THROUGHPUT})
+
+
+def card_of(name: Optional[str]) -> str:
+    """The calibrated card a device's name is (an H100 or H200 of any form factor); the H200 where it is
+    neither or unknown (the card most of the calibration ran on)."""
+    upper = (name or "").upper()
+    return next((card for card in CARDS if card in upper), "H200")
 
 
 def training_flops(shape: ModelShape, batch: int, seq: int, checkpointing: bool) -> float:
@@ -67,9 +83,10 @@ def training_flops(shape: ModelShape, batch: int, seq: int, checkpointing: bool)
     return 2.0 * passes * batch * seq * (matmul_params + attention)
 
 
-def measured_tflops(params: int) -> Throughput:
-    """The calibration run nearest in parameters (by ratio)."""
-    return min(THROUGHPUT, key=lambda t: abs(math.log(PRESETS[t.model].params / params)))
+def measured_tflops(params: int, card: str = "H200") -> Throughput:
+    """The calibration run on ``card`` nearest in parameters (by ratio)."""
+    runs = [t for t in THROUGHPUT if t.card == card] or [t for t in THROUGHPUT if t.card == "H200"]
+    return min(runs, key=lambda t: abs(math.log(PRESETS[t.model].params / params)))
 
 
 def tflops_of(t: Throughput) -> float:
@@ -171,7 +188,7 @@ def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: 
         budget_gb: Optional[float] = None, sub_group_mb: int = 256, largest_param: Optional[int] = None,
         reduce_bucket: int, margin: Optional[int] = None, bandwidth: float = H200_BANDWIDTH_GBPS,
         host_bandwidth: float, speculate_gb: Optional[float] = 0.0, deepspeed_pinned: int = 0,
-        tflops: Optional[float] = None) -> Dict[str, Any]:
+        tflops: Optional[float] = None, card: str = "H200") -> Dict[str, Any]:
     """The answer for one rank of ``world`` (bytes, seconds): ``device`` bytes of GPU memory training
     may use, ``host_cap`` bytes of host memory for this rank's store; ``budget_gb`` None: the measured
     plan places the state, else that much stays resident."""
@@ -190,7 +207,7 @@ def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: 
                              dtype_bytes=DTYPE_BYTES[dtype], reduce_bucket=reduce_bucket, resident=state)
     whole = sizer.largest_batch(all_resident=True) if budget_gb is None else None
 
-    rate = tflops or tflops_of(measured_tflops(params))
+    rate = tflops or tflops_of(measured_tflops(params, card))
     forward_backward = training_flops(shape, batch, seq, checkpointing) / (rate * 1e12)
     step = RESIDENT_STEP_S_PER_PARAM * (resident // STATE_BYTES_PER_PARAM)
     copies = estimate(params, world, ranks_per_node, bandwidth, host_bandwidth, sub_group_mb, resident / GiB, largest)
@@ -216,7 +233,7 @@ def fit(shape: ModelShape, batch: int, seq: int, checkpointing: bool, *, dtype: 
         "largest_batch": sizer.largest_batch(),
         "largest_batch_all_resident": whole,
         "forward_backward_s": forward_backward, "step_s": step, "iteration_s": forward_backward + step,
-        "tflops": rate, "tflops_measured": tflops is None, "bandwidth_per_rank_GBps": copies["bandwidth_per_rank_GBps"],
+        "tflops": rate, "tflops_measured": tflops is None, "card": card, "bandwidth_per_rank_GBps": copies["bandwidth_per_rank_GBps"],
     }
 
 
@@ -263,7 +280,7 @@ def describe(answer: Dict[str, Any], shape: ModelShape, ranks_per_node: int, ban
     if whole is not None:
         largest += f" ({whole} with all of the state resident)" if whole else " (none with all of the state resident)"
     lines.append(largest)
-    rate = ("measured on the H200 runs for the nearest model" if a["tflops_measured"] else "given")
+    rate = (f"measured on the {a['card']} runs for the nearest model" if a["tflops_measured"] else "given")
     lines.append(f"  s/iteration (rough): {a['iteration_s']:.2f} s = forward+backward {a['forward_backward_s']:.2f} s "
                  f"at {a['tflops']:.0f} TFLOPS ({rate}) + step {a['step_s']:.2f} s"
                  + (f" (copies at {a['bandwidth_per_rank_GBps']:.1f} GB/s each way per rank, the link's "
@@ -296,8 +313,11 @@ def add_arguments(parser, positive_int, positive_float) -> None:
                         help="training dtype (default: the ds_config's bf16 / fp16 section, else fp32; bf16 without "
                         "--config)")
     parser.add_argument("--tflops", type=positive_float, default=None,
-                        help="forward+backward throughput of your GPU, TFLOPS (default: the H200 runs' measured "
-                        "figure for the nearest model size)")
+                        help="forward+backward throughput of your GPU, TFLOPS (default: the runs' measured figure on "
+                        "the --gpu card for the nearest model size)")
+    parser.add_argument("--gpu", type=str.upper, choices=CARDS, default=None,
+                        help="the card whose measured throughput the rough s/iteration uses (default: the GPU here, "
+                        "else H200)")
 
 
 def shape_from_args(ns) -> Optional[ModelShape]:
@@ -349,4 +369,10 @@ def from_args(ns, shape: ModelShape, ds_config: Optional[Dict[str, Any]], budget
                largest_param=ns.largest_param or None, reduce_bucket=reduce_bucket_of(ds_config, shape.hidden_size),
                margin=None if ns.margin_gb is None else int(ns.margin_gb * GiB), bandwidth=bandwidth,
                host_bandwidth=ns.host_bandwidth, speculate_gb=speculate_gb,
-               deepspeed_pinned=deepspeed_pinned_per_rank(ns.params, ns.world_size, ds_config), tflops=ns.tflops)
+               deepspeed_pinned=deepspeed_pinned_per_rank(ns.params, ns.world_size, ds_config), tflops=ns.tflops,
+               card=ns.gpu or card_of(_device_name()))
+
+
+def _device_name() -> Optional[str]:
+    import torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

@@ -241,3 +241,24 @@ def test_the_iteration_memory_path_says_the_same_verdict(capsys):
     assert cli_main([*args, "--host-memory-gb", "30", "--json"]) == 1
     verdict = json.loads(capsys.readouterr().out.splitlines()[-1])["verdict"]
     assert verdict["kind"] == "does not fit" and verdict["what"] == "the state beside the iteration", verdict
+
+
+def test_the_h100_answers_from_the_h100_runs(capsys, tmp_path):
+    """The card sets the throughput (--gpu, else the GPU here, else H200). On an H100 (79.1 GiB for training):
+    the 1.1B at 8 x 2048 fits all resident, s/iteration within 10% of the H100 runs' resident median
+    (llama-1b-2026-12-05-*-h100.json, 0.41-0.47 s); the 7B at 8 x 4096 splits, its resident state within 15% of
+    the 45-48 sub-groups (0.465 GiB each) the H100 plans kept (llama-7b-2026-12-06-h100-*.json)."""
+    from deepspeed_offload.sizing.fit import card_of
+    assert card_of("NVIDIA H100 80GB HBM3") == "H100" and card_of("NVIDIA H200") == "H200"
+    assert card_of(None) == card_of("NVIDIA A100-SXM4-80GB") == "H200"  # (the calibration's own card)
+    h100 = ["--device-memory-gb", "79.1", "--host-memory-gb", "123.74", "--bandwidth", "50", "--gpu", "h100"]
+    small = answer(capsys, "--model-config", config_of(tmp_path, "1.1B"), "--batch", "8", "--seq", "2048", *h100)
+    assert small["verdict"] == "fits" and small["card"] == "H100"
+    assert small["iteration_s"] == pytest.approx(0.4666, rel=0.10)
+    seven = answer(capsys, "--model-config", config_of(tmp_path, "7B"), "--batch", "8", "--seq", "4096",
+                   "--gradient-checkpointing", *h100)
+    assert seven["verdict"] == "split" and seven["resident_per_rank"] / GiB == pytest.approx(46.5 * 0.465, rel=0.15)
+    assert seven["forward_backward_s"] == pytest.approx(4.183, rel=0.05)
+    h200 = answer(capsys, "--model-config", config_of(tmp_path, "7B"), "--batch", "8", "--seq", "4096",
+                  "--gradient-checkpointing", *h100[:-2], "--gpu", "H200")
+    assert h200["forward_backward_s"] == pytest.approx(3.862, rel=0.05) and h200["card"] == "H200"
