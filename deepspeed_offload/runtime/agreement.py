@@ -47,7 +47,7 @@ def cpu_group():
     global _cpu_group
     if _dist() is None:
         return None
-    default = torch.distributed.distributed_c10d._get_default_group()
+    default = torch.distributed.group.WORLD
     if torch.distributed.get_backend(default) == "gloo":
         return default
     if _cpu_group is None or _cpu_group[0] is not default:
