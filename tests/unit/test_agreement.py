@@ -6,7 +6,6 @@ gloo processes; the NCCL default group is the one thing stood in for (its backen
 import os
 import socket
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
