@@ -186,7 +186,7 @@ class _Mode:
         if measured:
             self.timing.measurements += 1
             self.timing.measuring = False
-        k = self.plan.between_steps(self, type("Step", (), {"input_numel": 0})())
+        k = self.plan.between_steps(self, type("Step", (), {"input_numel": 0, "index": 1})())
         if k is not None:  # the move lands (runtime/step/moves.py): then the plan counts it
             old = len(self.resident)
             self.plan.landed(list(range(old, k)), list(range(k, old)))

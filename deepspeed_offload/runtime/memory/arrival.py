@@ -82,8 +82,8 @@ class Arrival:
 
     def allocate(self, sub_groups: List[int]) -> "Switch":
         """Device tensors for the state of ``sub_groups``, nothing else changed: a failure (out of
-        memory near the limit) leaves every tensor where it was. the move calls it in its prepare, before it moves
-        anything, and ``start`` once it has."""
+        memory near the limit) leaves every tensor where it was. A move calls it in its prepare, before
+        it moves anything, and ``start`` once it has."""
         mode = self.mode
         device = mode.acc.current_device_name()
         switch = Switch(list(sub_groups))

@@ -147,7 +147,7 @@ class MeasuredPlan:
             mode.timing.remeasure()
         if decided or give_back or self.held_back != held_back:
             self._log(mode, resident + len(promote) - len(give_back), len(self.promoted) + len(promote) - len(give_back))
-        self.reason = f"after step {getattr(step, 'index', '?')}" + (
+        self.reason = f"after step {step.index}" + (
             " (the iteration after a measurement)" if decided else " (the iteration reserved more than planned)")
         return resident + len(promote) - len(give_back) if promote or give_back else None
 

@@ -96,7 +96,6 @@ class Moves:
         self.give_backs = 0  # moves that landed with sub-groups going back to the host
         self.take_backs = 0  # ... with sub-groups made resident
         self.failed = 0  # moves undone because a rank ran out of memory
-        self.last: Optional[Move] = None
 
     def decide(self, k: int, why: str) -> Optional[Move]:
         mode = self.mode
@@ -186,7 +185,6 @@ class Moves:
             self.take_backs += 1
         if move.to_host:
             self.give_backs += 1
-        self.last = move
         rank = agreement.rank_world()[0]
         log_dist(f"[deepspeed-offload] rank {rank}: {move.kind} {move.why}: {len(move.to_device or move.to_host)} "
                  f"sub-groups ({format_bytes(move.nbytes)}) {'made resident' if move.to_device else 'back to the host'}, "
